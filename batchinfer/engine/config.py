@@ -1,0 +1,57 @@
+"""Engine configuration: one typed, frozen record that every engine part reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to load the model and how hard to drive the device.
+
+    model: a Hugging Face model folder, or a hub id already in the local HF cache.
+    dtype: auto | bfloat16 | float16 | float32 ("auto": the checkpoint's dtype on GPU, float32 on CPU).
+    device: auto | cpu | cuda | cuda:N.
+    max_model_len: longest prompt + output; None means the model's max_position_embeddings.
+    max_num_seqs: cap on sequences running at once.
+    max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
+    block_size: tokens per KV block.
+    kv_cache_memory_fraction: share of free GPU memory (after a profiling forward) given to the KV cache.
+    kv_cache_gib: size of the KV cache on CPU.
+    num_kv_blocks: force this many KV blocks (tests; overrides both sizes above).
+    enable_prefix_sharing: share KV blocks of identical full-block prefixes between sequences.
+    attention_backend: auto | torch | triton | flash_attn.
+    cuda_graphs: capture decode steps as CUDA graphs (GPU only).
+    grammar_backend: auto | xgrammar | llguidance | outlines.
+    seed: seeds the per-request seeds of requests that give none.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    kv_cache_memory_fraction: float = 0.9
+    kv_cache_gib: float = 1.0
+    num_kv_blocks: int | None = None
+    enable_prefix_sharing: bool = True
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
+    grammar_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")

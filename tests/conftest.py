@@ -1,0 +1,60 @@
+"""Shared fixtures: small random Hugging Face models built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """model_factory(family, **overrides) -> Path of a saved random model (cached per arguments)."""
+    from batchinfer.demo import build_model
+
+    cache: dict[tuple, Path] = {}
+
+    def make(family: str = "qwen3", **overrides) -> Path:
+        key = (family, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"model-{family}")
+            cache[key] = build_model(out, family, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_model(request, model_factory) -> tuple[str, Path]:
+    """(family, path) for every supported family."""
+    return request.param, model_factory(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_factory) -> Path:
+    """One small qwen3 model (tied embeddings, q/k norm)."""
+    return model_factory("qwen3")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -24,6 +24,8 @@ class EngineConfig:
     cuda_graphs: capture decode steps as CUDA graphs (GPU only).
     grammar_backend: auto | xgrammar | llguidance | outlines.
     seed: seeds the per-request seeds of requests that give none.
+    load_format: safetensors (read the checkpoint) | random (random weights of the config's shapes:
+        benchmarks of real shapes without a download).
     """
 
     model: str
@@ -41,10 +43,13 @@ class EngineConfig:
     cuda_graphs: bool = True
     grammar_backend: str = "auto"
     seed: int = 0
+    load_format: str = "safetensors"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
+        if self.load_format not in ("safetensors", "random"):
+            raise ValueError(f"load_format must be safetensors or random, not {self.load_format!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

@@ -1,0 +1,161 @@
+"""`batchinfer bench throughput`: run a named workload and compare it with its roofline floor."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from batchinfer.bench.roofline import measure_ceilings, workload_floor
+from batchinfer.bench.shapes import SHAPES, write_shape
+from batchinfer.bench.workloads import make_workload
+from batchinfer.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def _model_folder(model: str, cache_dir: Path) -> tuple[str, str]:
+    """(folder, load_format) for a shape name or a model folder."""
+    if model in SHAPES:
+        return str(write_shape(model, cache_dir / model)), "random"
+    return model, "safetensors"
+
+
+def _param_counts(info) -> tuple[int, int]:
+    """(decoder-layer parameters, all weight parameters) from the model's shape."""
+    h, d = info.hidden_size, info.head_dim
+    attn = h * info.num_heads * d + 2 * h * info.num_kv_heads * d + info.num_heads * d * h
+    mlp = 3 * h * info.intermediate_size
+    layer = info.num_layers * (attn + mlp)
+    return layer, info.num_params or layer + 2 * info.vocab_size * h
+
+
+def run_throughput(
+    model: str,
+    workload: str,
+    engine_overrides: dict | None = None,
+    scale: float = 1.0,
+    cache_dir: Path | None = None,
+) -> dict:
+    """Run `workload` on `model` (a shape name or folder); return the numbers as a dict."""
+    from batchinfer.engine.engine import Engine
+
+    cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "batchinfer-bench")
+    folder, load_format = _model_folder(model, cache_dir)
+    cuda = torch.cuda.is_available()
+    cfg = EngineConfig(model=folder, dtype="bfloat16" if cuda else "float32", load_format=load_format)
+    if engine_overrides:
+        cfg = replace(cfg, **engine_overrides)
+    steps: list = []
+    t_load = time.perf_counter()
+    engine = Engine(cfg, on_step=steps.append)
+    load_s = time.perf_counter() - t_load
+    info = engine.model_info
+    wl = make_workload(workload, info.vocab_size, scale=scale)
+
+    device = torch.device("cuda" if cuda else "cpu")
+    ceilings = measure_ceilings(device)
+
+    warm = make_workload(workload, info.vocab_size, seed=1, scale=min(scale, 0.02))
+    list(engine.generate(warm.requests[:4]))
+    steps.clear()
+
+    t0 = time.perf_counter()
+    results = list(engine.generate(wl.requests))
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+
+    ok = [r for r in results if r.finish_reason != "error"]
+    prompt_lens = [r.prompt_tokens for r in ok]
+    out_lens = [r.completion_tokens for r in ok]
+    total_out, total_prompt = sum(out_lens), sum(prompt_lens)
+
+    layer_params, all_params = _param_counts(info)
+    dtype_bytes = torch.finfo(info.dtype).bits // 8
+    kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        kv_capacity = int((total * 0.9 - all_params * dtype_bytes) // kv_per_token)
+    else:
+        kv_capacity = int(cfg.kv_cache_gib * (1 << 30) // kv_per_token)
+    floor = workload_floor(
+        prompt_lens,
+        out_lens,
+        num_layers=info.num_layers,
+        hidden_size=info.hidden_size,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        layer_params=layer_params,
+        weight_bytes=all_params * dtype_bytes,
+        dtype_bytes=dtype_bytes,
+        kv_capacity_tokens=kv_capacity,
+        ceilings=ceilings,
+    )
+    cpu_ms = [getattr(s, "schedule_ms", None) for s in steps]
+    step_ms = [getattr(s, "step_ms", None) for s in steps]
+    cpu_ms = [x for x in cpu_ms if x is not None]
+    step_ms = [x for x in step_ms if x is not None]
+    decode_steps = [s for s in steps if getattr(s, "num_prefill_tokens", 1) == 0]
+    return {
+        "workload": wl.name,
+        "description": wl.description,
+        "model": model,
+        "device": ceilings.device,
+        "dtype": str(info.dtype).replace("torch.", ""),
+        "engine": {k: v for k, v in cfg.__dict__.items() if k != "model"},
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "prompt_tokens": total_prompt,
+        "output_tokens": total_out,
+        "elapsed_s": elapsed,
+        "load_s": load_s,
+        "requests_per_s": len(results) / elapsed,
+        "output_tokens_per_s": total_out / elapsed,
+        "total_tokens_per_s": (total_out + total_prompt) / elapsed,
+        "ceilings": {"copy_GBps": ceilings.copy_bytes_per_s / 1e9, "matmul_TFLOPs": ceilings.matmul_flops_per_s / 1e12},
+        "floor": floor.as_dict(),
+        "floor_output_tokens_per_s": total_out / floor.floor_s,
+        "fraction_of_roofline": floor.floor_s / elapsed,
+        "steps": len(steps),
+        "decode_steps": len(decode_steps),
+        "cpu_schedule_ms_mean": statistics.fmean(cpu_ms) if cpu_ms else None,
+        "step_ms_mean": statistics.fmean(step_ms) if step_ms else None,
+        "cpu_share_of_step": (sum(cpu_ms) / sum(step_ms)) if cpu_ms and step_ms and sum(step_ms) > 0 else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def format_report(r: dict) -> str:
+    f = r["floor"]
+    lines = [
+        f"workload {r['workload']} ({r['description']})",
+        f"model {r['model']} on {r['device']} ({r['dtype']}); {r['requests']} requests, {r['errors']} errors",
+        f"elapsed {r['elapsed_s']:.2f} s: {r['requests_per_s']:.2f} req/s, "
+        f"{r['output_tokens_per_s']:,.0f} output tok/s, {r['total_tokens_per_s']:,.0f} total tok/s",
+        f"ceilings: copy {r['ceilings']['copy_GBps']:,.0f} GB/s, matmul {r['ceilings']['matmul_TFLOPs']:,.1f} TFLOP/s",
+        f"roofline floor {f['floor_s']:.2f} s ({f['bound']}-bound: compute {f['compute_s']:.2f} s, memory {f['memory_s']:.2f} s; "
+        f"concurrency {f['concurrency']}, min steps {f['min_steps']}) = {r['floor_output_tokens_per_s']:,.0f} output tok/s",
+        f"achieved / floor: {100 * r['fraction_of_roofline']:.1f}% of the roofline",
+    ]
+    if r.get("cpu_share_of_step") is not None:
+        lines.append(
+            f"steps {r['steps']} (decode-only {r['decode_steps']}), mean step {r['step_ms_mean']:.2f} ms, "
+            f"CPU scheduling {r['cpu_schedule_ms_mean']:.3f} ms = {100 * r['cpu_share_of_step']:.1f}% of step time"
+        )
+    return "\n".join(lines)
+
+
+def write_report(r: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2, default=str))

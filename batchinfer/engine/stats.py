@@ -1,0 +1,23 @@
+"""What the engine reports about each step (the metrics, report and trace layers read these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step. Times are seconds (perf_counter) / milliseconds as named."""
+
+    step: int
+    time: float  # perf_counter at the end of the step
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_preemptions: int  # preemptions during this step
+    schedule_ms: float  # host time building the step (scheduling, batch tensors, masks)
+    step_ms: float  # wall time of the whole step
+    num_finished: int = 0

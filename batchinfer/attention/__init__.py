@@ -1,0 +1,49 @@
+"""Attention backends by name: `get_attention_backend(name, device)`.
+
+BACKENDS maps a name to a factory that imports its module only when called, so a GPU backend's
+dependencies (triton, flash_attn) are never imported on a machine that does not use them.
+"auto" picks torch on CPU and the first backend of AUTO_GPU_ORDER that can be built on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from batchinfer.attention.base import AttentionBackend, AttentionMetadata
+
+
+def _torch_backend(device: torch.device) -> AttentionBackend:
+    from batchinfer.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
+    "torch": _torch_backend,
+}
+
+AUTO_GPU_ORDER = ("flash_attn", "triton", "torch")
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """Build the backend `name` (or "auto") for `device`. Unknown names raise ValueError listing the known ones."""
+    device = torch.device(device)
+    if name == "auto":
+        if device.type == "cpu":
+            return BACKENDS["torch"](device)
+        for candidate in AUTO_GPU_ORDER:
+            if candidate in BACKENDS:
+                try:
+                    return BACKENDS[candidate](device)
+                except ImportError:
+                    continue
+        raise RuntimeError(f"no attention backend could be built for {device}")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name](device)
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_attention_backend"]
+BACKENDS["triton"] = lambda device: __import__("batchinfer.attention.triton_backend", fromlist=["_"]).TritonAttentionBackend()

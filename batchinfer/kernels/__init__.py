@@ -1,0 +1,6 @@
+"""Triton kernels, each with a plain-PyTorch reference (reference.py) that defines its math.
+
+Use `batchinfer.kernels.ops`, which runs the Triton kernel on CUDA and the reference elsewhere.
+Modules: cache (KV write), decode_attention (paged flash-decoding), extend_attention (prefill
+over the paged cache), rmsnorm, rotary, activation (SiLU-and-mul), bitmask (grammar mask).
+"""

@@ -1,0 +1,59 @@
+"""The Triton attention backend: KV write, then paged decode or extend attention (batchinfer.kernels).
+
+A decode-only step (every query length 1, the CUDA-graph case) runs the split-K decode kernel,
+whose launch shape depends only on the batch size and which never syncs with the host. Any
+other step runs the extend kernel over the whole batch: it handles prefill chunks, prefix-shared
+prefills and decode tokens mixed in one launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from batchinfer.attention.base import AttentionMetadata
+from batchinfer.kernels.cache import reshape_and_cache
+from batchinfer.kernels.decode_attention import paged_decode_attention
+from batchinfer.kernels.extend_attention import paged_extend_attention
+
+
+@dataclass(frozen=True)
+class TritonAttentionBackend:
+    """AttentionBackend on Triton kernels.
+
+    decode_splits: context slices per (sequence, KV head) in decode (fixed, CUDA-graph safe);
+    decode_block_n / extend_block_n: keys per inner iteration; extend_block_rows: query rows
+    (tokens x GQA heads) per extend program.
+    """
+
+    decode_splits: int = 8
+    decode_block_n: int = 64
+    extend_block_rows: int = 64
+    extend_block_n: int = 64
+    name: ClassVar[str] = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only and q.shape[0] == meta.seq_lens.shape[0]:
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                num_splits=self.decode_splits, block_n=self.decode_block_n,
+            )
+        # rows past the last sequence (padding) are never written by the kernel: zero them
+        out = torch.zeros_like(q) if q.shape[0] > sum(meta.query_lens_cpu) else None
+        return paged_extend_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.max_query_len, scale, block_rows=self.extend_block_rows, block_n=self.extend_block_n,
+            out=out,
+        )

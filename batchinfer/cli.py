@@ -1,0 +1,291 @@
+"""The `batchinfer` command line (Typer).
+
+Exit codes: 0 done; 1 the run failed; 2 invalid job or arguments; 3 the run finished but the share of
+rows with errors is over --max-error-rate. A user's mistake is one clear message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+app = typer.Typer(
+    help="Offline batch LLM inference: Parquet/JSONL shards in, one answer per row out (resumable).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_ERROR_RATE = 0, 1, 2, 3
+SAMPLE_ROWS = 5
+
+JobArg = typer.Argument(..., help="the job file (YAML)", show_default=False)
+SetOpt = typer.Option(None, "--set", help="override a field: key.path=value (YAML scalar); repeatable")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean the user's job, data or model is wrong (exit 2)."""
+    from batchinfer.io.readers import InputError
+    from batchinfer.job import JobError
+    from batchinfer.models.loader import ModelLoadError
+    from batchinfer.structured.base import GrammarError
+
+    return (JobError, InputError, ModelLoadError, GrammarError)
+
+
+def _setup_logging(quiet: bool) -> None:
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
+
+
+def _fail(msg: str, code: int) -> "typer.Exit":
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(code)
+
+
+@app.command()
+def run(
+    job: Path = JobArg,
+    set_: Optional[list[str]] = SetOpt,
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace output of a different job in output.path"),
+    max_error_rate: float = typer.Option(0.0, "--max-error-rate", min=0.0, max=1.0, help="exit 3 if a larger share of rows has errors"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or log lines; only the summary and errors"),
+) -> None:
+    """Run a job: stream the input through the model into Parquet; resumes where a previous run stopped."""
+    from batchinfer.run import run as run_job
+
+    _setup_logging(quiet)
+    try:
+        summary = run_job(job, overrides=set_ or [], overwrite=overwrite, progress=False if quiet else None)
+    except _user_errors() as e:
+        raise _fail(str(e), EXIT_INVALID) from None
+    except KeyboardInterrupt:
+        raise _fail("interrupted; run the same command again to resume", EXIT_FAILED) from None
+    except Exception as e:
+        logging.getLogger("batchinfer").debug("run failed", exc_info=True)
+        raise _fail(f"the run failed: {type(e).__name__}: {e}", EXIT_FAILED) from None
+    typer.echo(summary.describe())
+    if summary.error_rate > max_error_rate:
+        raise _fail(f"{summary.error_rate:.1%} of rows have errors (over --max-error-rate {max_error_rate:g})", EXIT_ERROR_RATE)
+
+
+def _sample_rows(plan: Any, columns: list[str]) -> tuple[list[Any], int]:
+    from batchinfer.io.readers import Reject, Row, iter_rows
+
+    rows, rejects = [], 0
+    for batch in iter_rows(plan.files, plan.spec.input.id_column, SAMPLE_ROWS, columns):
+        for item in batch:
+            if isinstance(item, Reject):
+                rejects += 1
+            elif isinstance(item, Row):
+                rows.append(item)
+        if len(rows) >= SAMPLE_ROWS:
+            break
+    return rows[:SAMPLE_ROWS], rejects
+
+
+def _load_for_checks(job: Path, set_: list[str]) -> tuple[Any, Any, Any, Any]:
+    """(spec, plan of the inputs without touching output, tokenizer, model info)."""
+    from batchinfer.io.ids import check_ids
+    from batchinfer.io.readers import list_input_files
+    from batchinfer.job import load_job
+    from batchinfer.models.loader import load_model_info, load_tokenizer
+    from batchinfer.run import _key_types, resolve_model
+
+    spec = load_job(job, set_)
+    model_dir = resolve_model(spec)
+    info = load_model_info(str(model_dir), spec.model.dtype, _device(spec.engine.device))
+    tokenizer = load_tokenizer(model_dir)
+    files = list_input_files(spec.input.path, spec.input.format)
+    ids = check_ids(files, spec.input.id_column)
+    _key_types(spec, files)  # keep_columns present in Parquet files
+    plan = type("InputPlan", (), {"spec": spec, "files": files, "ids": ids, "model_dir": model_dir})()
+    return spec, plan, tokenizer, info
+
+
+def _device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@app.command()
+def validate(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
+    """Check a job without running it: the spec, the model folder, the template on the first rows, the schema."""
+    from batchinfer.prompts import PromptBuilder, RowError
+
+    _setup_logging(True)
+    try:
+        spec, plan, tokenizer, info = _load_for_checks(job, set_ or [])
+        builder = PromptBuilder(spec.prompt, tokenizer)
+        rows, rejects = _sample_rows(plan, sorted(set(builder.columns) | {spec.input.id_column}))
+        failures = []
+        for r in rows:
+            try:
+                builder.encode(r.values)
+            except RowError as e:
+                failures.append(f"{Path(r.file).name} line {r.line}: {e}")
+        if rows and len(failures) == len(rows):
+            from batchinfer.job import JobError
+
+            raise JobError("prompt.template fails on every sampled row:\n  " + "\n  ".join(failures))
+        if spec.structured is not None:
+            from batchinfer.structured.compiler import check_constraint
+
+            check_constraint(spec.structured.constraint(), tokenizer, info.vocab_size, spec.structured.backend)
+    except _user_errors() as e:
+        raise _fail(str(e), EXIT_INVALID) from None
+    typer.echo(f"job ok: {job}")
+    typer.echo(f"  model: {plan.model_dir} ({info.architecture}, max {info.max_position_embeddings} positions)")
+    typer.echo(f"  input: {len(plan.files)} file(s), {plan.ids.num_rows} rows with an id")
+    typer.echo(f"  template rendered on {len(rows) - len(failures)} of the first {len(rows)} rows")
+    for f in failures:
+        typer.echo(f"  warning: {f}")
+    if rejects:
+        typer.echo(f"  warning: {rejects} of the first lines have no usable id (they will be rejected)")
+    if spec.structured is not None:
+        typer.echo(f"  constraint compiles ({spec.structured.backend} backend)")
+
+
+@app.command()
+def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
+    """Show what a job would do: rows, exact prompt tokens, KV memory wanted and a time estimate."""
+    from batchinfer.io.manifest import Manifest
+    from batchinfer.io.model_files import kv_bytes_per_token
+    from batchinfer.io.readers import Row
+    from batchinfer.prompts import PromptBuilder, RowError
+    from batchinfer.run import pending_rows
+
+    _setup_logging(True)
+    try:
+        spec, p, tokenizer, info = _load_for_checks(job, set_ or [])
+        builder = PromptBuilder(spec.prompt, tokenizer)
+        manifest = Manifest.load(Path(spec.output.path))
+        finished = manifest.finished_ids() if manifest else set()
+        p.finished = finished
+        prompt_lens: list[int] = []
+        bad = 0
+        columns = sorted(set(builder.columns) | {spec.input.id_column})
+        for item in pending_rows(p, columns):
+            if not isinstance(item, Row):
+                bad += 1
+                continue
+            try:
+                prompt_lens.append(len(builder.encode(item.values)[1]))
+            except RowError:
+                bad += 1
+    except _user_errors() as e:
+        raise _fail(str(e), EXIT_INVALID) from None
+    import torch
+
+    max_tokens = spec.sampling.max_tokens
+    dtype_bytes = torch.tensor([], dtype=info.dtype).element_size()
+    per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
+    total_prompt = sum(prompt_lens)
+    n = len(prompt_lens)
+    lines = [
+        f"rows: {n} to do ({len(finished)} already done, {bad} will fail before the engine)",
+        f"prompt tokens: {total_prompt} (mean {total_prompt / n if n else 0:.0f}, max {max(prompt_lens, default=0)})",
+        f"output tokens: at most {n * max_tokens} ({max_tokens} per row)",
+        f"KV cache: {per_token} bytes per token ({info.num_layers} layers x {info.num_kv_heads} kv heads x {info.head_dim} x 2 x {dtype_bytes} B)",
+        f"  whole job at once: {_gib(per_token * (total_prompt + n * max_tokens))}; "
+        f"{spec.engine.max_num_seqs} sequences at once: {_gib(per_token * min(n, spec.engine.max_num_seqs) * ((total_prompt / n if n else 0) + max_tokens))}",
+    ]
+    if n:
+        lines += _time_estimate(spec, info, prompt_lens, per_token, dtype_bytes)
+    typer.echo("\n".join(lines))
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.3f} GiB"
+
+
+def _time_estimate(spec: Any, info: Any, prompt_lens: list[int], per_token: int, dtype_bytes: int) -> list[str]:
+    """Roofline floor on ceilings measured on the detected device; assumes every row writes max_tokens."""
+    import torch
+
+    from batchinfer.bench.roofline import measure_ceilings, workload_floor
+
+    device = torch.device(_device(spec.engine.device))
+    ceilings = measure_ceilings(device, info.dtype)
+    embed = info.vocab_size * info.hidden_size
+    if spec.engine.num_kv_blocks:
+        capacity = spec.engine.num_kv_blocks * spec.engine.block_size
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        capacity = int((free * spec.engine.kv_cache_memory_fraction - info.num_params * dtype_bytes) // per_token)
+    else:
+        capacity = int(spec.engine.kv_cache_gib * 2**30 // per_token)
+    capacity = max(capacity, 1)
+    floor = workload_floor(
+        prompt_lens, [spec.sampling.max_tokens] * len(prompt_lens),
+        num_layers=info.num_layers, hidden_size=info.hidden_size, num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, vocab_size=info.vocab_size,
+        layer_params=max(info.num_params - 2 * embed, 1), weight_bytes=info.num_params * dtype_bytes,
+        dtype_bytes=dtype_bytes, kv_capacity_tokens=min(capacity, spec.engine.max_num_seqs * 10**9), ceilings=ceilings,
+    )
+    return [
+        f"time on {ceilings.device}: at least {_dur(floor.floor_s)} ({floor.bound}-bound roofline floor; "
+        f"expect about {_dur(2 * floor.floor_s)}-{_dur(4 * floor.floor_s)})",
+        f"  assumptions: every row writes max_tokens; ceilings measured now ({ceilings.copy_bytes_per_s / 1e9:.0f} GB/s copy, "
+        f"{ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s matmul); a real engine reaches 25-50% of the floor's speed",
+    ]
+
+
+def _dur(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+@app.command("demo-model")
+def demo_model(
+    path: Path = typer.Argument(..., help="folder to write the model to"),
+    family: str = typer.Option("qwen3", help="llama | mistral | qwen2 | qwen3"),
+    vocab_size: int = typer.Option(512, help="tokenizer vocabulary size"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Build a small RANDOM model in Hugging Face format (for the quickstart and tests; its text is gibberish)."""
+    from batchinfer.demo import FAMILIES, build_model
+
+    if family not in FAMILIES:
+        raise _fail(f"--family must be one of {', '.join(FAMILIES)}, not {family!r}", EXIT_INVALID)
+    out = build_model(path, family=family, vocab_size=vocab_size, seed=seed)
+    typer.echo(f"wrote a random {family} model to {out}")
+
+
+@app.command("schema")
+def schema(path: Path = typer.Argument(Path("schemas/job.schema.json"), help="where to write it")) -> None:
+    """Write the job file's JSON Schema (for editors)."""
+    from batchinfer.job import write_json_schema
+
+    write_json_schema(path)
+    typer.echo(f"wrote {path}")
+
+
+def _mount_bench() -> None:
+    try:
+        from batchinfer.bench.cli import bench_app
+    except ModuleNotFoundError as e:  # not built yet
+        if e.name != "batchinfer.bench.cli":
+            raise
+        return
+    app.add_typer(bench_app, name="bench", help="benchmarks: throughput, grammar")
+
+
+_mount_bench()
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,224 @@
+"""The model runner: owns the model and the KV cache tensors, runs one scheduled step, samples.
+
+For a step it packs the scheduled chunks into flat input_ids/positions, builds the slot mapping and
+block tables (vectorised with numpy), runs the model, keeps the hidden state of the last token of
+each sequence that samples this step, computes logits, applies the per-row bans (min_tokens) and the
+grammar bitmask, and samples. Decode-only steps go through `_forward_decode`, kept separate so that
+CUDA graphs can be added there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchinfer.attention import get_attention_backend
+from batchinfer.attention.base import AttentionMetadata
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.kv_cache import allocate_kv_cache, kv_block_bytes
+from batchinfer.engine.sampler import ban_tokens_, make_sampling_batch, sample
+from batchinfer.engine.sequence import Sequence
+from batchinfer.models.loader import load_model
+
+
+def resolve_device(device: str) -> torch.device:
+    """auto: cuda if available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but no CUDA GPU is available")
+    return dev
+
+
+@dataclass
+class StepBatch:
+    """The packed inputs of one step; sample_index[i] is the token row whose logits row i samples."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_index: torch.Tensor
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the paged KV cache, executes steps."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.block_size = config.block_size
+        self.attention = get_attention_backend(config.attention_backend, self.device)
+        self.model, self.info = load_model(
+            config.model, config.dtype, self.device, self.attention, load_format=config.load_format
+        )
+        max_pos = self.info.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_pos:
+            raise ValueError(f"max_model_len {config.max_model_len} is over the model's max_position_embeddings {max_pos}")
+        self.max_model_len = config.max_model_len or max_pos
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.vocab_size = self.info.vocab_size
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = self._allocate(self.num_blocks)
+
+    # --- KV cache sizing --------------------------------------------------------------------
+
+    def _allocate(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        i = self.info
+        return allocate_kv_cache(i.num_layers, num_blocks, self.block_size, i.num_kv_heads, i.head_dim, i.dtype, self.device)
+
+    def _num_blocks(self) -> int:
+        """num_kv_blocks if given; else the CPU budget or the GPU's free memory after profiling.
+
+        Capped at what max_num_seqs sequences of max_model_len can ever use (there is no retention
+        cache, so more blocks would never be touched).
+        """
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        i = self.info
+        per_block = kv_block_bytes(i.num_layers, self.block_size, i.num_kv_heads, i.head_dim, i.dtype)
+        if self.device.type == "cuda":
+            budget = self._profile_free_bytes()
+        else:
+            budget = int(self.config.kv_cache_gib * (1 << 30))
+        blocks = min(budget // per_block, self.config.max_num_seqs * self.max_blocks_per_seq)
+        if blocks < 1:
+            raise ValueError(f"the KV cache budget ({budget} bytes) does not hold a single {per_block}-byte block")
+        return int(blocks)
+
+    @torch.inference_mode()
+    def _profile_free_bytes(self) -> int:
+        """Run the largest step once; KV budget = free memory x fraction - the step's activation peak."""
+        num_tokens = self.config.max_num_batched_tokens
+        seq_len = min(num_tokens, self.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        blocks_per = [-(-n // self.block_size) for n in lens]
+        caches = self._allocate(sum(blocks_per))
+        tables, start = [], 0
+        for nb in blocks_per:
+            tables.append(list(range(start, start + nb)))
+            start += nb
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        batch = self._pack([0] * len(lens), lens, [[0] * n for n in lens], tables, [True] * len(lens))
+        hidden = self.model(batch.input_ids, batch.positions, caches, batch.meta)
+        rows = min(self.config.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
+        sample(logits, make_sampling_batch([self._profile_params()] * rows, [0] * rows, [0] * rows, self.device))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del caches, hidden, logits, batch
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(0, int(free * self.config.kv_cache_memory_fraction) - peak)
+
+    @staticmethod
+    def _profile_params():
+        from batchinfer.engine.request import SamplingParams
+
+        return SamplingParams(temperature=1.0, top_p=0.9)
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def prepare(self, seqs: Seq[Sequence], num_tokens: Seq[int], samples: Seq[bool]) -> StepBatch:
+        """Pack the scheduled chunks: seqs[i] computes num_tokens[i] tokens from its num_computed."""
+        starts = [s.num_computed_tokens for s in seqs]
+        ids = [s.token_ids[c : c + n] for s, c, n in zip(seqs, starts, num_tokens)]
+        return self._pack(starts, list(num_tokens), ids, [s.block_ids for s in seqs], samples)
+
+    def _pack(self, starts, lens, ids, tables, samples) -> StepBatch:
+        """Flat inputs + AttentionMetadata from per-sequence starts, chunk lengths, token ids, blocks."""
+        bs = self.block_size
+        starts_np = np.asarray(starts, dtype=np.int64)
+        lens_np = np.asarray(lens, dtype=np.int64)
+        cu = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens_np, out=cu[1:])
+        total = int(cu[-1])
+        row = np.repeat(np.arange(len(lens)), lens_np)
+        positions = np.arange(total, dtype=np.int64) - cu[row] + starts_np[row]
+        seq_lens = starts_np + lens_np
+        width = max(1, int(-(-seq_lens.max() // bs)))
+        table = np.zeros((len(lens), width), dtype=np.int32)
+        for b, blocks in enumerate(tables):
+            n = min(len(blocks), width)
+            table[b, :n] = blocks[:n]
+        slots = table[row, positions // bs].astype(np.int64) * bs + positions % bs
+        flat_ids = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
+        sample_index = (cu[1:] - 1)[np.asarray(samples, dtype=bool)]
+        # Two host->device copies per step: all int64 arrays in one buffer, all int32 in another.
+        longs = self._to_device(np.concatenate([flat_ids, positions, slots, sample_index]))
+        ints = self._to_device(np.concatenate([cu.astype(np.int32), seq_lens.astype(np.int32), table.ravel()]))
+        nb = len(lens)
+        lens_list = lens_np.tolist()
+        seq_lens_list = seq_lens.tolist()
+        meta = AttentionMetadata(
+            slot_mapping=longs[2 * total : 3 * total],
+            query_start_loc=ints[: nb + 1],
+            seq_lens=ints[nb + 1 : 2 * nb + 1],
+            block_tables=ints[2 * nb + 1 :].view(nb, width),
+            max_query_len=max(lens_list),
+            max_seq_len=max(seq_lens_list),
+            query_lens_cpu=lens_list,
+            seq_lens_cpu=seq_lens_list,
+            decode_only=all(n == 1 for n in lens_list),
+        )
+        return StepBatch(
+            input_ids=longs[:total],
+            positions=longs[total : 2 * total],
+            meta=meta,
+            sample_index=longs[3 * total :],
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def _forward_decode(self, batch: StepBatch) -> torch.Tensor:
+        """Decode-only steps (one token per sequence): the place for CUDA graphs."""
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+
+    @torch.inference_mode()
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        if batch.meta.decode_only:
+            return self._forward_decode(batch)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        seqs: Seq[Sequence],
+        num_tokens: Seq[int],
+        samples: Seq[bool],
+        bans: Seq[list[int]] | None = None,
+        bitmask: torch.Tensor | None = None,
+    ) -> list[int]:
+        """Run one step; return the sampled token of each sequence that samples (in step order).
+
+        bans[i]: token ids forbidden for the i-th sampling sequence (min_tokens); bitmask: int32 CPU
+        [num_sampling, ceil(V/32)] from the grammar matchers (rows without a grammar all -1) or None.
+        """
+        batch = self.prepare(seqs, num_tokens, samples)
+        hidden = self._forward(batch)
+        sampling = [s for s, flag in zip(seqs, samples) if flag]
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_index))
+        if bans:
+            rows = [i for i, b in enumerate(bans) if b]
+            if rows:
+                ban_tokens_(logits, rows, [bans[i] for i in rows])
+        if bitmask is not None:
+            from batchinfer.structured.bitmask import apply_token_bitmask_
+
+            apply_token_bitmask_(logits, bitmask.to(self.device, non_blocking=True))
+        params = [s.request.sampling for s in sampling]
+        sb = make_sampling_batch(params, [s.seed for s in sampling], [s.num_generated for s in sampling], self.device)
+        return sample(logits, sb).tolist()

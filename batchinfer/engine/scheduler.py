@@ -1,0 +1,224 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each computes.
+
+One step mixes decodes and prefill chunks. Decodes are counted against the token budget first, so
+a long document is prefilled in chunks and never stalls sequences that are decoding. KV blocks
+are handed out oldest-first; when they run out, the newest sequence is preempted (its blocks are
+freed and it goes back to the front of the waiting queue to be recomputed later).
+
+Admission reserves the blocks a sequence will need while it decodes (prompt + max_tokens, the
+output part capped), not just its prompt, so preemption stays rare.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchinfer.engine.kv_cache import BlockAllocator, hash_block
+from batchinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """max_reserved_output: most output tokens counted per sequence at admission (the cap);
+    watermark_blocks: blocks kept free at admission while other sequences run."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_sharing: bool = True
+    max_reserved_output: int = 1024
+    watermark_blocks: int = 0
+
+
+@dataclass
+class ScheduledStep:
+    """The work of one step: seqs[i] computes num_tokens[i] tokens; samples[i] if that ends its tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest admission first
+        self.num_preemptions = 0
+
+    def check(self, seq: Sequence) -> str | None:
+        """Why this request can never run, or None. The engine turns a message into an error result."""
+        total = seq.num_prompt_tokens + seq.max_tokens
+        if seq.num_prompt_tokens == 0:
+            return "the prompt is empty"
+        if total > self.config.max_model_len:
+            return (
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} "
+                f"is over max_model_len {self.config.max_model_len}"
+            )
+        blocks = self._blocks(total)
+        if blocks > self.allocator.num_blocks:
+            return (
+                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, "
+                f"the whole cache has {self.allocator.num_blocks}"
+            )
+        return None
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished running sequence and free its blocks."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    # --- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.config.max_num_batched_tokens
+        num_decodes = sum(1 for s in self.running if s.num_remaining == 1)
+        prefill_budget = max(0, budget - num_decodes)
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or step.total_tokens >= budget:
+                continue
+            is_decode = seq.num_remaining == 1
+            want = 1 if is_decode else min(seq.num_remaining, prefill_budget)
+            if want == 0:
+                continue
+            n = self._fit(seq, want, step)
+            if n:
+                prefill_budget -= 0 if is_decode else n
+                self._add_to_step(step, seq, n)
+        if not step.preempted:
+            self._admit(step, budget - step.total_tokens)
+        return step
+
+    def complete_step(self, step: ScheduledStep) -> None:
+        """After the forward: advance computed counts and publish newly full blocks for sharing."""
+        for seq, n in zip(step.seqs, step.num_tokens):
+            seq.num_computed_tokens += n
+            if self.config.enable_prefix_sharing:
+                self._register_full_blocks(seq)
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _reserved_blocks(self, seq: Sequence) -> int:
+        """Blocks this sequence is expected to hold at most (output part capped)."""
+        out = min(seq.max_tokens - seq.num_generated, self.config.max_reserved_output)
+        return self._blocks(min(seq.num_tokens + out, self.config.max_model_len))
+
+    def _add_to_step(self, step: ScheduledStep, seq: Sequence, n: int) -> None:
+        step.seqs.append(seq)
+        step.num_tokens.append(n)
+        step.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+        if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1:
+            step.num_decode_tokens += 1
+        else:
+            step.num_prefill_tokens += n
+
+    def _fit(self, seq: Sequence, want: int, step: ScheduledStep) -> int:
+        """Give seq blocks for up to `want` tokens, preempting newer sequences if none are free.
+
+        Returns how many tokens it can compute; 0 if it was preempted itself.
+        """
+        while True:
+            room = (len(seq.block_ids) + self.allocator.num_free) * self.block_size - seq.num_computed_tokens
+            if room >= 1:
+                break
+            newer = self.running[self.running.index(seq) + 1 :]
+            victim = newer[-1] if newer else seq
+            self._preempt(victim, step)
+            if victim is seq:
+                return 0
+        n = min(want, room)
+        need = self._blocks(seq.num_computed_tokens + n) - len(seq.block_ids)
+        if need > 0:
+            seq.block_ids.extend(self.allocator.allocate(need))
+        return n
+
+    def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        step.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(reversed(seq.block_ids))
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def _admit(self, step: ScheduledStep, budget: int) -> None:
+        outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            shared = self._match_prefix(seq) if self.config.enable_prefix_sharing else []
+            need = self._reserved_blocks(seq) - len(shared)
+            spare = self.allocator.num_free - outstanding - need
+            if self.running and spare < self.config.watermark_blocks:
+                break
+            if self.allocator.num_free == 0:
+                break
+            self.waiting.popleft()
+            for b in shared:
+                self.allocator.share(b)
+            seq.block_ids = list(shared)
+            seq.num_computed_tokens = len(shared) * self.block_size
+            seq.num_registered_blocks = len(shared)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = self._fit(seq, min(seq.num_remaining, budget), step)
+            outstanding += max(0, self._reserved_blocks(seq) - len(seq.block_ids))
+            self._add_to_step(step, seq, n)
+            budget -= n
+
+    def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Chained hashes of the first num_blocks full blocks, extending the cached list."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks in use that hold this sequence's leading full blocks; the last token is never
+        covered, so the step still computes it and gets logits."""
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        shared: list[int] = []
+        for h in self._full_block_hashes(seq, max_blocks):
+            b = self.allocator.lookup(h)
+            if b is None:
+                break
+            shared.append(b)
+        return shared
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self._full_block_hashes(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.allocator.register(seq.block_ids[i], hashes[i])
+        seq.num_registered_blocks = full

@@ -1,0 +1,88 @@
+"""One request's state inside the engine: its tokens, how many have KV in the cache, its blocks.
+
+The scheduler reads and moves `num_computed_tokens` and `block_ids`; the engine appends sampled
+tokens and keeps the per-request helpers (detokenizer, grammar matcher, timings) here too, so that
+everything about a request lives in one object.
+
+Token bookkeeping: `token_ids` is prompt + generated tokens. The last sampled token has no KV yet,
+so a decoding sequence has exactly one token left to compute. After a preemption the sequence
+recomputes all of `token_ids` (its generated tokens become part of the prefix) and samples again.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchinfer.engine.request import FinishReason, Request
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable per-request state. `seq_id` orders arrivals; identity (not value) equality."""
+
+    seq_id: int
+    request: Request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    seed: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of this sequence's full blocks (they only depend on tokens, so they survive
+    # preemption); num_registered_blocks: how many of its blocks are known to the prefix table.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_preemptions: int = 0
+    # Engine-side helpers and results.
+    detokenizer: Any = None
+    matcher: Any = None
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    arrived: float = 0.0
+    scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @classmethod
+    def from_request(cls, seq_id: int, request: Request, seed: int = 0, arrived: float = 0.0) -> "Sequence":
+        prompt = list(request.prompt_token_ids)
+        return cls(
+            seq_id=seq_id,
+            request=request,
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            max_tokens=request.sampling.max_tokens,
+            seed=seed,
+            arrived=arrived,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still without KV; the step that computes the last of them samples a new token."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

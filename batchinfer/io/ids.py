@@ -1,0 +1,90 @@
+"""Whole-job checks of the id column, done cheaply with polars before a run starts.
+
+A missing id column or a duplicate id affects every row (resume could not tell rows apart), so the
+job is refused up front, naming one duplicate and the files/rows where it occurs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import polars as pl
+
+from batchinfer.io.readers import InputError, InputFile, _open_text, input_columns
+
+
+@dataclass(frozen=True)
+class IdCheck:
+    """Every usable id of the input (as text, with where it is), and how many rows have one."""
+
+    ids: pl.DataFrame  # columns: id (str), file (str), line (int)
+
+    @property
+    def num_rows(self) -> int:
+        return self.ids.height
+
+
+def _parquet_ids(f: InputFile, id_column: str) -> pl.LazyFrame:
+    cols = input_columns(f) or []
+    if id_column not in cols:
+        raise InputError(f"{f.path}: no id column '{id_column}' (columns: {', '.join(cols)})")
+    return (
+        pl.scan_parquet(f.path)
+        .select(pl.col(id_column).cast(pl.Utf8).alias("id"))
+        .with_row_index("line", offset=1)
+        .filter(pl.col("id").is_not_null())
+        .with_columns(pl.lit(f.path).alias("file"), pl.col("line").cast(pl.Int64))
+        .select("id", "file", "line")
+    )
+
+
+def _jsonl_ids(f: InputFile, id_column: str) -> pl.LazyFrame:
+    ids: list[str] = []
+    lines: list[int] = []
+    objects = 0
+    try:
+        with _open_text(f.path) as fh:
+            for n, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(obj, dict):
+                    continue
+                objects += 1
+                v = obj.get(id_column)
+                if v is None or isinstance(v, (dict, list)):
+                    continue
+                ids.append(str(v))
+                lines.append(n)
+    except (OSError, EOFError) as e:
+        raise InputError(f"cannot read {f.path}: {e}") from None
+    if objects and not ids:
+        raise InputError(f"{f.path}: no row has the id column '{id_column}'")
+    return pl.LazyFrame({"id": ids, "file": [f.path] * len(ids), "line": lines}, schema={"id": pl.Utf8, "file": pl.Utf8, "line": pl.Int64})
+
+
+def check_ids(files: list[InputFile], id_column: str) -> IdCheck:
+    """Refuse a missing id column or duplicate ids; return all ids (for counting pending rows)."""
+    frames = [_parquet_ids(f, id_column) if f.format == "parquet" else _jsonl_ids(f, id_column) for f in files]
+    try:
+        ids = pl.concat(frames).collect()
+    except pl.exceptions.PolarsError as e:
+        raise InputError(f"cannot read the id column '{id_column}': {e}") from None
+    dups = (
+        ids.lazy()
+        .filter(pl.col("id").is_duplicated())
+        .sort("file", "line")
+        .group_by("id", maintain_order=True)
+        .agg(pl.col("file"), pl.col("line"))
+        .head(1)
+        .collect()
+    )
+    if dups.height:
+        row = dups.row(0, named=True)
+        where = "; ".join(f"{fi} line {li}" for fi, li in list(zip(row["file"], row["line"]))[:3])
+        raise InputError(f"duplicate id {row['id']!r} in column '{id_column}' ({len(row['file'])} times: {where})")
+    return IdCheck(ids)

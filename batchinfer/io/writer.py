@@ -1,0 +1,149 @@
+"""Atomic Parquet part files: rows are buffered, then written as `_tmp.part-N.parquet.tmp` (pyarrow,
+Spark and DuckDB skip `_` names; `*.parquet` globs, which polars needs, skip the `.tmp` suffix),
+fsynced, renamed to `part-N.parquet`, and recorded in the manifest.
+
+A part rolls over every `rows_per_part` rows or `seconds_per_part` seconds, so a kill loses at most
+one part's worth of work and memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchinfer.io.manifest import FINGERPRINT_KEY, TMP_PREFIX, Manifest, PartInfo, fsync_dir, next_part_number
+
+log = logging.getLogger(__name__)
+
+RESULT_FIELDS = [
+    pa.field("output_text", pa.string()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("prompt_tokens", pa.int64()),
+    pa.field("completion_tokens", pa.int64()),
+    pa.field("error", pa.string()),
+]
+
+
+def output_schema(key_types: dict[str, pa.DataType | None], output_type: pa.DataType | None) -> dict[str, pa.DataType | None]:
+    """Column name -> type of an output part; None types are inferred from the first part's values."""
+    cols: dict[str, pa.DataType | None] = dict(key_types)
+    for f in RESULT_FIELDS:
+        cols[f.name] = f.type
+    if output_type is not None:
+        cols["output"] = output_type
+    return cols
+
+
+class PartWriter:
+    """Buffers finished rows and commits them as part files (see module docstring).
+
+    columns: name -> Arrow type (None: inferred once from the first part, then fixed).
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        columns: dict[str, pa.DataType | None],
+        rows_per_part: int,
+        seconds_per_part: float,
+    ) -> None:
+        self.manifest = manifest
+        self.folder = manifest.folder
+        self.columns = dict(columns)
+        self.rows_per_part = rows_per_part
+        self.seconds_per_part = seconds_per_part
+        self._buffer: list[dict[str, Any]] = []
+        self._started: float | None = None
+        self._schema: pa.Schema | None = None
+        self._next = next_part_number(self.folder)
+        self.rows_written = 0
+        self.errors_written = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        if not self._buffer:
+            self._started = time.monotonic()
+        self._buffer.append(row)
+        self.maybe_flush()
+
+    def maybe_flush(self) -> None:
+        if not self._buffer:
+            return
+        due = self._started is not None and time.monotonic() - self._started >= self.seconds_per_part
+        if len(self._buffer) >= self.rows_per_part or due:
+            self.flush()
+
+    def _resolve_schema(self) -> pa.Schema:
+        if self._schema is None:
+            fields = []
+            for name, typ in self.columns.items():
+                if typ is None:
+                    vals = [r.get(name) for r in self._buffer]
+                    try:
+                        typ = pa.array(vals).type
+                    except (pa.ArrowInvalid, pa.ArrowTypeError):
+                        typ = pa.string()
+                    if pa.types.is_null(typ):
+                        typ = pa.string()
+                fields.append(pa.field(name, typ))
+            self._schema = pa.schema(fields)
+        return self._schema
+
+    def _table(self, rows: list[dict[str, Any]]) -> pa.Table:
+        schema = self._resolve_schema()
+        try:
+            return pa.Table.from_pylist(rows, schema=schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            return pa.Table.from_pylist([self._coerce(r, schema) for r in rows], schema=schema)
+
+    def _coerce(self, row: dict[str, Any], schema: pa.Schema) -> dict[str, Any]:
+        """A row whose kept column does not fit the part's type: null it and say so in `error`."""
+        row = dict(row)
+        for f in schema:
+            try:
+                pa.array([row.get(f.name)], type=f.type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                msg = f"column '{f.name}' value {str(row.get(f.name))[:60]!r} does not fit the output type {f.type}"
+                row[f.name] = None
+                row["error"] = f"{row['error']}; {msg}" if row.get("error") else msg
+                if row.get("finish_reason") != "error":
+                    row["finish_reason"] = "error"
+        return row
+
+    def flush(self) -> None:
+        """Commit the buffered rows as one part (temp name, fsync, rename, manifest)."""
+        if not self._buffer:
+            return
+        table = self._table(self._buffer)
+        meta = dict(table.schema.metadata or {})
+        meta[FINGERPRINT_KEY] = self.manifest.fingerprint.encode()
+        table = table.replace_schema_metadata(meta)
+        name = f"part-{self._next:06d}.parquet"
+        tmp = self.folder / f"{TMP_PREFIX}{name}.tmp"  # `*.parquet` globs skip it too
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh, compression="zstd")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.folder / name)
+        fsync_dir(self.folder)
+        errors = sum(1 for r in table.column("error").to_pylist() if r is not None)
+        self.manifest.add_part(PartInfo(name, table.num_rows, errors))
+        log.debug("committed %s (%d rows)", name, table.num_rows)
+        self._next += 1
+        self.rows_written += table.num_rows
+        self.errors_written += errors
+        self._buffer = []
+        self._started = None
+
+    def close(self) -> None:
+        self.flush()
+
+
+def existing_schema(folder: Path, part_name: str) -> pa.Schema:
+    """The schema of a committed part (resume keeps the same column types)."""
+    return pq.read_schema(str(folder / part_name))

@@ -1,0 +1,333 @@
+"""The job file: a typed, frozen spec of one batch job, loaded from YAML (or a dict).
+
+Why pydantic: one model gives validation with messages that name the field, the defaults, and the
+JSON Schema that editors use (exported to schemas/job.schema.json; a test keeps it up to date).
+Relative paths resolve against the job file's folder, so a job file can travel with its data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
+
+from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.request import SamplingParams
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "job.schema.json"
+
+
+class JobError(ValueError):
+    """A job the user got wrong (bad key, bad value, missing file). The message says what and where."""
+
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+def _resolve(value: str, info: ValidationInfo) -> str:
+    base = (info.context or {}).get("base_dir")
+    if base is None or Path(value).is_absolute():
+        return value
+    return str((Path(base) / value).resolve()) if value else value
+
+
+class ModelSpec(BaseModel):
+    """The model: a Hugging Face folder (relative to the job file) or a hub id in the local cache."""
+
+    model_config = _STRICT
+    path: str = Field(description="HF model folder or a hub id already in the local HF cache")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_model_len: int | None = Field(None, ge=1, description="longest prompt + output; default: the model's")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str, info: ValidationInfo) -> str:
+        base = (info.context or {}).get("base_dir")
+        if base is not None and not Path(v).is_absolute() and (Path(base) / v).exists():
+            return str((Path(base) / v).resolve())
+        return v  # a hub id, or a folder that does not exist (validate says so)
+
+
+class InputSpec(BaseModel):
+    """Where the rows come from."""
+
+    model_config = _STRICT
+    path: str = Field(description="a file, folder or glob of .parquet / .jsonl / .jsonl.gz files")
+    id_column: str = Field(description="unique key of a row")
+    format: Literal["auto", "parquet", "jsonl"] = Field("auto", description="auto: from each file's extension")
+    batch_size: int = Field(1024, ge=1, description="rows per read batch")
+
+    _resolve_path = field_validator("path")(_resolve)
+
+
+class OutputSpec(BaseModel):
+    """Where the answers go: a folder of Parquet part files plus a manifest."""
+
+    model_config = _STRICT
+    path: str = Field(description="output folder")
+    keep_columns: tuple[str, ...] = Field((), description="input columns copied through (the id column always is)")
+    rows_per_part: int = Field(5000, ge=1, description="a part file is committed after this many rows")
+    seconds_per_part: float = Field(60.0, gt=0, description="... or after this many seconds")
+
+    _resolve_path = field_validator("path")(_resolve)
+
+
+class PromptSpec(BaseModel):
+    """How a row becomes a prompt: a sandboxed Jinja template over the row's columns."""
+
+    model_config = _STRICT
+    template: str = Field(description="Jinja over the row's columns, e.g. 'Summarise: {{ text }}'")
+    system: str | None = Field(None, description="system message (chat) or a prefix line (no chat)")
+    chat: bool | None = Field(None, description="apply the model's chat template; default: when it has one")
+
+
+class SamplingSpec(BaseModel):
+    """Sampling for every row (see batchinfer.engine.request.SamplingParams)."""
+
+    model_config = _STRICT
+    max_tokens: int = 256
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingSpec":
+        self.to_params()
+        return self
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump())
+
+
+class StructuredSpec(BaseModel):
+    """What every answer must match: exactly one of json_schema, regex, choice."""
+
+    model_config = _STRICT
+    json_schema: str | dict[str, Any] | None = Field(None, description="a path to a JSON Schema file, or the schema inline")
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    backend: Literal["auto", "xgrammar", "llguidance", "outlines"] = "auto"
+    whitespace: Literal["compact", "flexible"] = "compact"
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_path(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, str) and not v.lstrip().startswith("{"):
+            return _resolve(v, info)
+        return v
+
+    @model_validator(mode="after")
+    def _one(self) -> "StructuredSpec":
+        given = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex, choice (got {', '.join(given) or 'none'})")
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice needs at least one option")
+        return self
+
+    def schema_dict(self) -> dict[str, Any] | None:
+        """The JSON schema as a dict (read from its file if a path); None for regex/choice."""
+        v = self.json_schema
+        if v is None or isinstance(v, dict):
+            return v
+        if v.lstrip().startswith("{"):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as e:
+                raise JobError(f"structured.json_schema: inline schema is not valid JSON: {e}") from None
+        p = Path(v)
+        if not p.is_file():
+            raise JobError(f"structured.json_schema: file not found: {p}")
+        try:
+            return json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise JobError(f"structured.json_schema: cannot read {p}: {e}") from None
+
+    def constraint(self):
+        """The engine's Constraint for this spec."""
+        from batchinfer.structured.base import Constraint
+
+        if self.regex is not None:
+            return Constraint.regex(self.regex)
+        if self.choice is not None:
+            return Constraint.choice(list(self.choice))
+        return Constraint.json_schema(self.schema_dict(), whitespace=self.whitespace)
+
+
+def _engine_spec_model() -> type[BaseModel]:
+    """EngineSpec mirrors every EngineConfig field except model, dtype and max_model_len (in `model`)."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in ("model", "dtype", "max_model_len"):
+            continue
+        fields[f.name] = (hints[f.name], f.default)
+    model = create_model("EngineSpec", __config__=_STRICT, __doc__="Engine settings (EngineConfig fields).", **fields)
+    return model
+
+
+EngineSpec = _engine_spec_model()
+
+
+class JobSpec(BaseModel):
+    """One batch job. See README.md, "Job reference"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, title="batchinfer job")
+    model: ModelSpec
+    input: InputSpec
+    output: OutputSpec
+    prompt: PromptSpec
+    sampling: SamplingSpec = SamplingSpec()
+    structured: StructuredSpec | None = None
+    engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_shorthand(cls, v: Any) -> Any:
+        return {"path": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _engine_ok(self) -> "JobSpec":
+        self.engine_config()
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len, **self.engine.model_dump()
+        )
+
+
+def job_json_schema() -> dict[str, Any]:
+    """The JSON Schema of the job file (what schemas/job.schema.json holds)."""
+    schema = JobSpec.model_json_schema()
+    # The shorthand `model: path/to/dir` is accepted too.
+    props = schema["properties"]
+    props["model"] = {"anyOf": [{"type": "string"}, props["model"]], "description": "model folder, or {path, dtype, max_model_len}"}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+def write_json_schema(path: Path = SCHEMA_PATH) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(job_json_schema(), indent=2, sort_keys=True) + "\n")
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def parse_set(assignments: list[str] | tuple[str, ...]) -> list[tuple[list[str], Any]]:
+    """Parse `key.path=value` overrides; values are YAML scalars (`8` is an int, `[a, b]` a list)."""
+    out = []
+    for a in assignments:
+        key, sep, raw = a.partition("=")
+        if not sep or not key.strip():
+            raise JobError(f"--set {a!r}: expected key.path=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise JobError(f"--set {a!r}: value is not valid YAML: {e}") from None
+        out.append(([p for p in key.strip().split(".")], value))
+    return out
+
+
+def apply_set(data: dict[str, Any], assignments: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Return a copy of `data` with the overrides applied (intermediate mappings are created)."""
+    data = json.loads(json.dumps(data, default=str))
+    for keys, value in parse_set(assignments):
+        node = data
+        for i, k in enumerate(keys[:-1]):
+            child = node.get(k)
+            if child is None:
+                child = node[k] = {}
+            elif isinstance(child, str) and k == "model" and i == 0:
+                child = node[k] = {"path": child}
+            elif not isinstance(child, dict):
+                raise JobError(f"--set {'.'.join(keys)}: {'.'.join(keys[: i + 1])} is not a mapping")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: Any = JobSpec
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        ann = model.model_fields[part].annotation
+        nxt = None
+        for cand in typing.get_args(ann) or (ann,):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                nxt = cand
+        model = nxt
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One readable line per problem, each naming the key (and, for unknown keys, the allowed ones)."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        # drop pydantic's union branch tags like 'str' / 'ModelSpec'
+        loc = tuple(p for p in loc if p not in ("str", "dict[str,any]", "ModelSpec", "StructuredSpec", "tuple[str, ...]"))
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            allowed = ", ".join(parent.model_fields) if parent else "?"
+            lines.append(f"unknown key '{where}'; allowed keys here: {allowed}")
+        elif e["type"] == "missing":
+            lines.append(f"missing required key '{where}'")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg} (got {e.get('input')!r})" if e["type"] != "value_error" else f"{where}: {msg}")
+    seen = list(dict.fromkeys(lines))
+    return f"invalid job {source}:\n  " + "\n  ".join(seen)
+
+
+def load_job(job: "str | Path | dict[str, Any] | JobSpec", overrides: list[str] | tuple[str, ...] = (), base_dir: str | Path | None = None) -> JobSpec:
+    """Load and validate a job from a YAML path, a dict or a JobSpec; apply `--set` overrides.
+
+    Relative paths resolve against the job file's folder (for a dict: `base_dir`, default the cwd).
+    Raises JobError with a message that names the key or file.
+    """
+    if isinstance(job, JobSpec):
+        if not overrides:
+            return job
+        job = job.model_dump(mode="json")
+    source = "(dict)"
+    if isinstance(job, (str, Path)):
+        path = Path(job)
+        source = str(path)
+        if not path.is_file():
+            raise JobError(f"job file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise JobError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise JobError(f"{path}: a job file must be a YAML mapping (model, input, output, prompt, ...)")
+        base_dir = path.resolve().parent
+    else:
+        data = dict(job)
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    data = apply_set(data, overrides)
+    try:
+        return JobSpec.model_validate(data, context={"base_dir": str(base)})
+    except ValidationError as e:
+        raise JobError(format_validation_error(e, source)) from None
+    except ValueError as e:  # EngineConfig / SamplingParams checks raised outside a field
+        raise JobError(f"invalid job {source}: {e}") from None
+
+
+if __name__ == "__main__":  # python -m batchinfer.job: refresh schemas/job.schema.json
+    write_json_schema()

@@ -1,0 +1,171 @@
+"""Paged-KV decode attention (flash-decoding): one query token per sequence.
+
+Stage 1, grid (batch, kv_heads, NUM_SPLITS): each program takes ONE KV head and all the query
+heads that share it (GQA group, padded to >= 16 rows so tl.dot maps onto tensor cores), and one
+contiguous slice of the context. Every KV tile is therefore loaded once per group, not once per
+query head. It writes a partial output and its log-sum-exp (base 2) per split.
+Stage 2, grid (batch, q_heads): merges the splits with their log-sum-exps.
+
+Splitting the context keeps the GPU busy when the batch is small and contexts are long. The
+split count is a constexpr and empty splits exit early, so the launch shape depends only on
+the batch size: no host syncs, safe to capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from batchinfer.kernels._util import check_last_dim_contiguous, dot_precision, pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    s_qb, s_qh,
+    s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
+    s_bt,
+    s_mb, s_mh, s_ms,
+    s_lb, s_lh,
+    sm_scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    b64 = b.to(tl.int64)
+
+    q = tl.load(
+        q_ptr + b64 * s_qb + heads[:, None] * s_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    table = block_tables_ptr + b64 * s_bt
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        mask_n = tok < end
+        block = tl.load(table + tok // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        in_block = tok % BLOCK_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            k_cache_ptr + (block * s_kb + in_block * s_ks + kv_head * s_kh)[:, None] + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + (block * s_vb + in_block * s_vs + kv_head * s_vh)[:, None] + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(
+        mid_o_ptr + b64 * s_mb + heads[:, None] * s_mh + split * s_ms + offs_d[None, :],
+        out, mask=mask_h[:, None] & mask_d[None, :],
+    )
+    tl.store(mid_lse_ptr + b64 * s_lb + heads * s_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    s_mb, s_mh, s_ms, s_lb, s_lh, s_ob, s_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + b * s_lb + h * s_lh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    o = tl.load(
+        mid_o_ptr + b * s_mb + h * s_mh + offs_s[:, None] * s_ms + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :], other=0.0,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor,  # int32 [B]; 0 gives a zero output row (padding)
+    scale: float,
+    num_splits: int = 8,
+    block_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's single query token over its whole paged context.
+
+    num_splits: fixed number of context slices per (sequence, KV head); the launch shape does
+    not depend on sequence lengths. block_n: context tokens per inner iteration (multiple of 16).
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = pow2(head_dim, 16)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
+        BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out

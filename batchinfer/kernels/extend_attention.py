@@ -1,0 +1,178 @@
+"""Prefill / extend attention over the paged KV cache.
+
+Sequence b has query_len = query_start_loc[b+1] - query_start_loc[b] new tokens, the LAST
+query_len positions of a context of seq_lens[b] tokens. Their K/V were already written to the
+cache (reshape_and_cache), so every key, whether from a shared prefix, an earlier chunk or this
+step, is read from the cache through the block table.
+
+Grid (query tiles, batch, kv_heads). A program owns BLOCK_M query tokens times all GROUP query
+heads of one KV head, flattened into BLOCK_M * BLOCK_G rows of one tl.dot, so each KV tile is
+loaded once per GQA group. Keys before the tile's first query position need no causal mask and
+are visited in a mask-free loop; only the last stretch applies the causal/length mask.
+Online softmax in base 2, float32 accumulators.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from batchinfer.kernels._util import check_last_dim_contiguous, dot_precision, pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, tok, block, in_block, kv_head, q_pos, seq_len,
+    k_cache_ptr, v_cache_ptr, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, offs_d, sm_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One BLOCK_N tile of keys: update the running max, sum and output."""
+    k_off = (block * s_kb + in_block * s_ks + kv_head * s_kh)[:, None] + offs_d[None, :]
+    v_off = (block * s_vb + in_block * s_vs + kv_head * s_vh)[:, None] + offs_d[None, :]
+    if MASKED:
+        kv_mask = (tok < seq_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_cache_ptr + k_off, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + v_off, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + k_off)
+        v = tl.load(v_cache_ptr + v_off)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+    if MASKED:
+        visible = (tok[None, :] <= q_pos[:, None]) & (tok[None, :] < seq_len)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row with every key masked so far keeps m = -inf; use 0 so exp2 gives 0, not nan
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    s_qt, s_qh, s_ot, s_oh,
+    s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
+    s_bt,
+    sm_scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(qsl_ptr + b)
+    query_len = tl.load(qsl_ptr + b + 1) - q_start
+    m_start = tile * BLOCK_M
+    if m_start >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - query_len  # tokens before the first query token
+
+    # rows = (query token, head in group), head fastest
+    rows = tl.arange(0, BLOCK_M * BLOCK_G)
+    m_idx = m_start + rows // BLOCK_G
+    g_idx = rows % BLOCK_G
+    row_ok = (m_idx < query_len) & (g_idx < GROUP)
+    heads = kv_head * GROUP + g_idx
+    q_pos = ctx_len + m_idx
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < HEAD_DIM
+    t_idx = (q_start + m_idx).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + t_idx[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :],
+        mask=row_ok[:, None] & mask_d[None, :], other=0.0,
+    )
+    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * s_bt
+
+    # keys every row of the tile sees, in whole tiles: no mask
+    free_end = ((ctx_len + m_start) // BLOCK_N) * BLOCK_N
+    for n0 in range(0, free_end, BLOCK_N):
+        tok = n0 + offs_n
+        block = tl.load(table + tok // BLOCK_SIZE).to(tl.int64)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, tok, block, tok % BLOCK_SIZE, kv_head, q_pos, seq_len,
+            k_cache_ptr, v_cache_ptr, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, offs_d, sm_scale_log2,
+            HEAD_DIM, BLOCK_D, False, DOT_PREC,
+        )
+    # the causal stretch: up to the tile's last query position
+    kv_end = tl.minimum(ctx_len + m_start + BLOCK_M, seq_len)
+    for n0 in range(free_end, kv_end, BLOCK_N):
+        tok = n0 + offs_n
+        block = tl.load(table + tok // BLOCK_SIZE, mask=tok < seq_len, other=0).to(tl.int64)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, tok, block, tok % BLOCK_SIZE, kv_head, q_pos, seq_len,
+            k_cache_ptr, v_cache_ptr, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, offs_d, sm_scale_log2,
+            HEAD_DIM, BLOCK_D, True, DOT_PREC,
+        )
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + t_idx[:, None] * s_ot + heads[:, None] * s_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :],
+    )
+
+
+def paged_extend_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor,  # int32 [B]
+    query_start_loc: torch.Tensor,  # int32 [B+1]
+    max_query_len: int,
+    scale: float,
+    block_rows: int = 64,
+    block_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    block_rows: query rows (tokens x heads of a GQA group) per program, >= 16 and a power of two;
+    block_n: keys per inner iteration (multiple of 16).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0 or max_query_len == 0:
+        return out
+    block_g = pow2(group)
+    block_m = max(pow2(block_rows) // block_g, 1)
+    if block_m * block_g < 16:
+        block_m = 16 // block_g
+    grid = (triton.cdiv(max_query_len, block_m), batch, num_kv_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=pow2(head_dim, 16),
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out

@@ -1,0 +1,150 @@
+"""Plain-PyTorch references of every Triton kernel in this package.
+
+They define the math each kernel must reproduce (tests compare the two) and they are what
+`batchinfer.kernels.ops` runs when there is no CUDA device. They favour clarity over speed:
+attention loops over sequences on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int [T]; slot < 0 means "do not write"
+) -> None:
+    """Write each token's K and V into its cache slot (block_id * block_size + offset)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's K or V: [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:n_blocks].long()]  # [n, bs, Hkv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor,  # int [B]
+    query_start_loc: torch.Tensor,  # int [B+1]
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens (its LAST query_len positions) over its
+    whole context in the paged cache. Covers decode (query_len 1) and prefill/extend alike.
+    Computed in float32, returned in q's dtype; GQA: query head h reads KV head h // (Hq // Hkv).
+    """
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_lo, q_hi = starts[b], starts[b + 1]
+        query_len = q_hi - q_lo
+        if query_len == 0 or seq_len == 0:
+            continue
+        keys = _gather_context(k_cache, block_tables[b], seq_len).float()
+        values = _gather_context(v_cache, block_tables[b], seq_len).float()
+        keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
+        values = values.repeat_interleave(group, dim=1)
+        qs = q[q_lo:q_hi].float()  # [L, Hq, D]
+        scores = torch.einsum("lhd,shd->hls", qs, keys) * scale
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[q_lo:q_hi] = torch.einsum("hls,shd->lhd", probs, values).to(q.dtype)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D], one query token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention: paged_attention with one query token per sequence."""
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, as Hugging Face Llama computes it: normalise in float32, round to
+    x's dtype, then multiply by the weight."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_residual = x + residual (in x's dtype); returns (rms_norm(new_residual), new_residual)."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def apply_rotary(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # int [T]
+    cos_cache: torch.Tensor,  # [max_pos, R/2], R = rotary dim <= D
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding on the first R dims of every head, out of place.
+    Computed in float32 and rounded to the input dtype once."""
+    cos = cos_cache[positions.long()].float().unsqueeze(1)  # [T, 1, R/2]
+    sin = sin_cache[positions.long()].float().unsqueeze(1)
+    half = cos_cache.shape[-1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half : 2 * half]
+        out = x.clone()
+        out[..., :half] = (x1 * cos - x2 * sin).to(x.dtype)
+        out[..., half : 2 * half] = (x2 * cos + x1 * sin).to(x.dtype)
+        return out
+
+    return rotate(q), rotate(k)
+
+
+def rotary_cos_sin(
+    max_positions: int, rotary_dim: int, base: float = 10000.0, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 cos/sin caches [max_positions, rotary_dim/2] of plain (unscaled) rotary."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x[..., :d] -> silu, times x[..., d:]; silu rounded to x's dtype before the product (as HF)."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set logits[b, t] = -inf where bit t % 32 of bitmask[b, t // 32] is clear (in place);
+    tokens past the bitmask's width are disallowed."""
+    vocab = logits.shape[-1]
+    tokens = torch.arange(vocab, device=logits.device)
+    word_index = tokens // 32
+    inside = word_index < bitmask.shape[1]
+    words = bitmask[:, word_index.clamp(max=bitmask.shape[1] - 1)].long()
+    allowed = ((words >> (tokens % 32)) & 1).bool() & inside
+    logits.masked_fill_(~allowed, float("-inf"))

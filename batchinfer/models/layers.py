@@ -1,0 +1,251 @@
+"""Shared blocks of the decoder-only families: RMSNorm, fused projections, attention, MLP, layer, causal LM.
+
+One `ModelConfig` (built by a family file from config.json) says everything a family changes:
+qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope. The blocks are written for
+the packed layout of the engine (a flat batch of T tokens, no padding, no batch dimension) and
+with GPU speed in mind: q/k/v and gate/up are single fused matmuls, rotary uses a cache built once.
+
+Parameters are created with torch.empty (no random init): the loader fills every one from the
+checkpoint and fails loudly on any it did not fill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchinfer.attention.base import AttentionBackend, AttentionMetadata
+from batchinfer.models.rope import RopeConfig, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and the family flags of one decoder-only model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count of the model this config builds (tied embeddings counted once)."""
+        h, qkv = self.hidden_size, self.q_size + 2 * self.kv_size
+        per_layer = h * qkv + self.q_size * h + 3 * h * self.intermediate_size + 2 * h
+        per_layer += qkv if self.qkv_bias else 0
+        per_layer += h if self.o_bias else 0
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * per_layer + h
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with W allocated but not initialised (the loader fills it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (as the reference implementations do), with an optional fused residual add.
+
+    forward(x) -> normed; forward(x, residual) -> (normed(x + residual), x + residual).
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=dtype)
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, optional per-head q/k norm, rotary, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, dtype)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, cfg.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one matmul: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; the residual stream is carried separately (fused add+norm)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, rotary, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(self, positions, hidden, residual, k_cache, v_cache, meta):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, k_cache, v_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm, LM head (shared with the embedding when tied)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 [T] (packed); returns the final hidden states [T, hidden_size]."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, k_cache, v_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """Checkpoint tensor name -> (destination, first row, number of rows) it is copied into.
+
+        q/k/v land in row ranges of qkv_proj and gate/up in gate_up_proj (fused at load time).
+        """
+        cfg = self.config
+        targets: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+        def add(name: str, tensor: torch.Tensor, start: int = 0, rows: int | None = None) -> None:
+            targets[name] = (tensor, start, tensor.shape[0] if rows is None else rows)
+
+        add("model.embed_tokens.weight", self.embed_tokens)
+        if not cfg.tie_word_embeddings:
+            add("lm_head.weight", self.lm_head)
+        add("model.norm.weight", self.norm.weight)
+        qkv_rows = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size)}
+        qkv_rows["v_proj"] = (cfg.q_size + cfg.kv_size, cfg.kv_size)
+        inter = cfg.intermediate_size
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, (start, rows) in qkv_rows.items():
+                add(f"{p}self_attn.{name}.weight", attn.qkv_proj.weight, start, rows)
+                if cfg.qkv_bias:
+                    add(f"{p}self_attn.{name}.bias", attn.qkv_proj.bias, start, rows)
+            add(f"{p}self_attn.o_proj.weight", attn.o_proj.weight)
+            if cfg.o_bias:
+                add(f"{p}self_attn.o_proj.bias", attn.o_proj.bias)
+            if cfg.qk_norm:
+                add(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
+                add(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
+            add(f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight, 0, inter)
+            add(f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight, inter, inter)
+            add(f"{p}mlp.down_proj.weight", mlp.down_proj.weight)
+            add(f"{p}input_layernorm.weight", layer.input_layernorm.weight)
+            add(f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+        return targets

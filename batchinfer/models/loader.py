@@ -1,0 +1,275 @@
+"""Loading a Hugging Face checkpoint into our own model code.
+
+A model is a folder (config.json, *.safetensors, optionally sharded with model.safetensors.index.json,
+tokenizer files, generation_config.json) or a hub id already in the local HF cache (never downloaded:
+batch jobs run offline and must not fetch gigabytes by surprise). Weights are read tensor by tensor
+with safetensors.safe_open straight into our (fused) parameters; the transformers model is never
+built. Every error a user can cause is a ModelLoadError naming the folder, field or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchinfer.attention.base import AttentionBackend
+from batchinfer.models import ARCHITECTURES
+from batchinfer.models.layers import CausalLM, ModelConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Tensors some checkpoints carry that our model recomputes or does not need.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be found, is not supported, or its files do not match its config."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of the system needs to know about a model, read from its config files only."""
+
+    architecture: str
+    model_dir: Path
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int  # rows of the embedding (may exceed the tokenizer's length)
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]  # config.json and generation_config.json together
+    dtype: torch.dtype
+    num_params: int
+
+
+def _hub_cache_dir() -> Path:
+    """The HF hub cache, read from the environment at call time (HF_HUB_CACHE, then HF_HOME/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _looks_like_path(model: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else that is not a folder is a missing path."""
+    return model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A model folder, or the snapshot folder of a hub id in the local HF cache. Never downloads."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model folder {path} has no config.json")
+        return path.resolve()
+    if path.exists():
+        raise ModelLoadError(f"model {model!r} is a file; give the model folder (with config.json)")
+    if _looks_like_path(model):
+        raise ModelLoadError(f"model folder {model!r} does not exist")
+    cache = _hub_cache_dir()
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot = Path(snapshot_download(model, local_files_only=True, cache_dir=str(cache)))
+    except Exception as exc:  # huggingface_hub raises several types for "not in the cache" and bad ids
+        raise ModelLoadError(
+            f"model {model!r} is neither a folder nor a hub id in the local Hugging Face cache ({cache}); "
+            f"download it first (e.g. `hf download {model}`) or give its folder"
+        ) from exc
+    if not (snapshot / "config.json").is_file():
+        raise ModelLoadError(f"hub id {model!r}: cached snapshot {snapshot} has no config.json")
+    return snapshot
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _eos_ids(*configs: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    for cfg in configs:
+        value = cfg.get("eos_token_id")
+        for i in value if isinstance(value, list) else [value]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def resolve_dtype(dtype: str, device: torch.device | str, hf: dict) -> torch.dtype:
+    """auto: the checkpoint's dtype (config dtype / torch_dtype) on GPU, float32 on CPU."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"dtype must be auto, {', '.join(DTYPES)}, not {dtype!r}")
+        return DTYPES[dtype]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    name = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
+    if name not in DTYPES:
+        raise ModelLoadError(f"config.json: dtype {name!r} is not supported; choose {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _model_config(model_dir: Path, hf: dict) -> ModelConfig:
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{model_dir}: architecture {', '.join(archs) or '(none in config.json)'} is not supported; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    try:
+        return ARCHITECTURES[arch](hf)
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from exc
+
+
+def _read_configs(model: str) -> tuple[Path, dict, dict]:
+    model_dir = resolve_model_dir(model)
+    hf = _read_json(model_dir / "config.json")
+    gen_path = model_dir / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    return model_dir, hf, gen
+
+
+def _info(model_dir: Path, hf: dict, gen: dict, cfg: ModelConfig, dtype: torch.dtype) -> ModelInfo:
+    return ModelInfo(
+        architecture=cfg.architecture,
+        model_dir=model_dir,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        eos_token_ids=_eos_ids(hf, gen),
+        dtype=dtype,
+        num_params=cfg.num_params(),
+    )
+
+
+def load_model_info(model: str, dtype: str = "auto", device: torch.device | str = "cpu") -> ModelInfo:
+    """Everything about the model that its config files tell, without reading weights."""
+    model_dir, hf, gen = _read_configs(model)
+    cfg = _model_config(model_dir, hf)
+    return _info(model_dir, hf, gen, cfg, resolve_dtype(dtype, device, hf))
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those the index names when sharded, else model*.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map") or {}
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not (model_dir / name).is_file():
+                raise ModelLoadError(f"{model_dir}: shard {name} named in model.safetensors.index.json is missing")
+        return [model_dir / f for f in files]
+    # Prefer HF's model*.safetensors: some folders also hold the same weights in another layout
+    # (e.g. Mistral's consolidated.safetensors).
+    files = sorted(model_dir.glob("model*.safetensors")) or sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights (other weight formats are not supported)")
+    return files
+
+
+@torch.inference_mode()
+def load_weights(model: CausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its place; fail naming any tensor missing, unexpected or misshaped."""
+    from safetensors import safe_open
+
+    targets = model.weight_targets()
+    tied = model.config.tie_word_embeddings
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name not in targets:
+                    if not (name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")):
+                        unexpected.append(name)
+                    continue
+                dest, start, rows = targets[name]
+                expected = (rows, *dest.shape[1:])
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected:
+                    raise ModelLoadError(f"{path.name}: tensor {name} has shape {list(shape)}, expected {list(expected)}")
+                dest[start : start + rows].copy_(f.get_tensor(name))
+                loaded.add(name)
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:5])
+        raise ModelLoadError(f"{model_dir}: {len(unexpected)} unexpected tensor(s) in the checkpoint: {shown}")
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5])
+        raise ModelLoadError(f"{model_dir}: {len(missing)} tensor(s) missing from the checkpoint: {shown}")
+
+
+def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Fill every weight with random values of a trained model's scale (norm weights 1, biases 0).
+
+    For benchmarks of real shapes without a checkpoint (EngineConfig.load_format="random").
+    """
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    seen: set[int] = set()
+    for name, (tensor, _, _) in model.weight_targets().items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if "norm" in name:
+            tensor.fill_(1.0)
+        elif name.endswith(".bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, std, generator=gen)
+
+
+def load_model(
+    model: str,
+    dtype: str,
+    device: torch.device | str,
+    attention: AttentionBackend,
+    load_format: str = "safetensors",
+) -> tuple[CausalLM, ModelInfo]:
+    """Build our model for `model` (folder or cached hub id) on `device`.
+
+    load_format "safetensors" reads the checkpoint; "random" fills the config's shapes with random
+    weights (benchmarks without a download; the folder needs no weight files).
+    """
+    model_dir, hf, gen = _read_configs(model)
+    cfg = _model_config(model_dir, hf)
+    torch_dtype = resolve_dtype(dtype, device, hf)
+    with torch.device(device):
+        net = CausalLM(cfg, attention, torch_dtype)
+    if load_format == "random":
+        with torch.no_grad():
+            init_random_weights(net)
+    elif load_format == "safetensors":
+        load_weights(net, model_dir)
+    else:
+        raise ModelLoadError(f"load_format must be safetensors or random, not {load_format!r}")
+    net.eval()
+    return net, _info(model_dir, hf, gen, cfg, torch_dtype)
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's fast tokenizer, from local files only."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), use_fast=True, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{model_dir}: cannot load the tokenizer: {exc}") from exc

@@ -1,0 +1,15 @@
+"""See inside a run: step/row records, the report page, Prometheus metrics, token-id logs, traces.
+
+Entry points for the driver and CLI:
+  Observer(ObserveOptions(...))  on_step / on_result / close (observer.py)
+  row_metrics(result)            queue_wait_s, ttft_s, decode_s of one row (records.py)
+  report_command(out_dir)        `batchinfer report OUT_DIR`: rewrite the report, return its summary
+  read_token_ids(out_dir)        the `--log-token-ids` sidecar as a polars frame
+"""
+
+from batchinfer.observe.observer import ObserveOptions, Observer
+from batchinfer.observe.records import row_metrics
+from batchinfer.observe.report import report_command, write_report
+from batchinfer.observe.tokenlog import read_token_ids
+
+__all__ = ["ObserveOptions", "Observer", "read_token_ids", "report_command", "row_metrics", "write_report"]

@@ -1,0 +1,174 @@
+"""The Observer: what the job driver creates from the run's options and feeds with steps and results.
+
+It fans each event out to the parts that are on:
+  always   step and row records beside the output (records.py), the report at close (report.py);
+  options  live Prometheus metrics on a port and/or a textfile (metrics.py), the token-id sidecar
+           (tokenlog.py), a profiler trace of a few steps (trace.py).
+
+Driver use:
+    obs = Observer(ObserveOptions(out_dir=..., metrics_port=..., ...))
+    engine = Engine(config, on_step=obs.on_step)
+    for result in engine.generate(requests): ...; obs.on_result(row_id, result)
+    report = obs.close({"config": resolved_job, "fingerprint": fp})
+A failing observer part must never lose rows: close() tries every part and logs what failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchinfer.engine.request import Result
+from batchinfer.engine.stats import StepStats
+from batchinfer.observe.metrics import Metrics
+from batchinfer.observe.records import (
+    ROW_SCHEMA,
+    ROWS_DIR,
+    STEP_SCHEMA,
+    STEPS_DIR,
+    PartSink,
+    SinkConfig,
+    new_run_id,
+    row_record,
+    step_record,
+)
+from batchinfer.observe.report import summary_text, write_report
+from batchinfer.observe.tokenlog import TokenLog
+from batchinfer.observe.trace import StepTracer, TraceConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ObserveOptions:
+    """What to observe. out_dir: the job's output folder (records and the report go there).
+
+    metrics_port: serve live metrics on metrics_host:port (0: any free port; None: off).
+    metrics_textfile: write a node-exporter textfile there at close (None: off).
+    log_token_ids: write `_token_ids/` (prompt and output ids of every row).
+    trace_dir: write a profiler trace of trace_num_steps steps after step trace_start_step (None: off).
+    report: write `_report.json` and `_report.html` at close.
+    flush_rows / flush_s: how often records are written out as parts.
+    """
+
+    out_dir: Path
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_textfile: Path | None = None
+    log_token_ids: bool = False
+    trace_dir: Path | None = None
+    trace_start_step: int = 5
+    trace_num_steps: int = 3
+    report: bool = True
+    flush_rows: int = 10_000
+    flush_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], not {self.metrics_port}")
+        if self.flush_rows < 1:
+            raise ValueError("flush_rows must be at least 1")
+
+
+class Observer:
+    """Fans on_step / on_result / close out to the enabled observability parts."""
+
+    def __init__(self, options: ObserveOptions) -> None:
+        self.options = options
+        self.out_dir = Path(options.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = new_run_id()
+        self.t0 = time.perf_counter()
+        o = options
+        self._steps = PartSink(SinkConfig(self.out_dir / STEPS_DIR, STEP_SCHEMA, self.run_id, o.flush_rows, o.flush_s))
+        self._rows = PartSink(SinkConfig(self.out_dir / ROWS_DIR, ROW_SCHEMA, self.run_id, o.flush_rows, o.flush_s))
+        self.metrics = Metrics() if (o.metrics_port is not None or o.metrics_textfile is not None) else None
+        self.metrics_port: int | None = None
+        if self.metrics is not None and o.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(o.metrics_port, o.metrics_host)
+        self.token_log = TokenLog(self.out_dir, self.run_id, flush_s=o.flush_s) if o.log_token_ids else None
+        self.tracer = (
+            StepTracer(TraceConfig(Path(o.trace_dir), o.trace_start_step, o.trace_num_steps)) if o.trace_dir else None
+        )
+        self.closed = False
+        self.report: dict[str, Any] | None = None
+        log.debug("observer %s on %s", self.run_id, self.out_dir)
+
+    def on_step(self, stats: StepStats) -> None:
+        """The engine's step callback."""
+        self._steps.add(step_record(self.run_id, stats, self.t0))
+        if self.metrics is not None:
+            self.metrics.on_step(stats)
+        if self.tracer is not None:
+            self.tracer.on_step(stats)
+
+    def on_result(self, row_id: Any, result: Result) -> None:
+        """Called once per finished row (with the row's id from the input)."""
+        self._rows.add(row_record(self.run_id, row_id, result, self.t0))
+        if self.metrics is not None:
+            self.metrics.on_result(result)
+        if self.token_log is not None:
+            self.token_log.add(row_id, result)
+
+    def flush(self) -> None:
+        """Write buffered records now (e.g. right after the driver commits an output part)."""
+        self._steps.flush()
+        self._rows.flush()
+        if self.token_log is not None:
+            self.token_log.close()
+
+    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Flush everything, write the report and textfile, stop the server; returns the report dict.
+
+        summary: the driver's facts about the run (e.g. config: the resolved job, fingerprint, and any
+        counts it keeps); stored under the report's `config`/`fingerprint`/`run` keys.
+        """
+        if self.closed:
+            return self.report
+        self.closed = True
+        summary = dict(summary or {})
+        summary.setdefault("run_id", self.run_id)
+        summary.setdefault("elapsed_s", time.perf_counter() - self.t0)
+        steps = [self.flush]
+        if self.tracer is not None:
+            steps.append(self.tracer.close)
+        if self.options.report:
+            steps.append(lambda: self._write_report(summary))
+        if self.metrics is not None and self.options.metrics_textfile is not None:
+            steps.append(lambda: self.metrics.write_textfile(self.options.metrics_textfile))  # type: ignore[union-attr]
+        if self.metrics is not None:
+            steps.append(self.metrics.stop)
+        failed = None
+        for step in steps:
+            try:
+                step()
+            except Exception as e:  # one broken part must not hide the others' output
+                log.exception("observer: %s failed", getattr(step, "__name__", "a part"))
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        return self.report
+
+    def _write_report(self, summary: dict[str, Any]) -> None:
+        self.report = write_report(self.out_dir, summary)
+        log.info("%s", summary_text(self.report))
+
+    def __enter__(self) -> "Observer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # the run failed: keep its records (a resume reports them), skip the report, free the port
+        try:
+            self.flush()
+            if self.tracer is not None:
+                self.tracer.close()
+        finally:
+            if self.metrics is not None:
+                self.metrics.stop()
+            self.closed = True

@@ -1,0 +1,190 @@
+"""Step and row records persisted beside the output, so a report can be rebuilt after the run.
+
+Layout (inside the job's output folder):
+  _steps/part-<run_id>-<n>.parquet   one row per engine step   (STEP_SCHEMA)
+  _rows/part-<run_id>-<n>.parquet    one row per finished row  (ROW_SCHEMA)
+
+Why folders of small parts and not one file: a run can die at any moment (kill -9) and be resumed.
+Records are flushed every `flush_rows` records or `flush_s` seconds as complete parts (temp name, then
+rename), so what a dead run had seen survives, and a resumed run adds parts under a new `run_id`
+instead of overwriting. A row may then be recorded twice (finished before the crash but not committed
+to the output, and done again); readers keep the last record of each id and, where the output has a
+manifest, only the ids the output holds (see report.py).
+
+Times: `t` columns are seconds since the run's Observer was created (perf_counter based), so the step
+and row records of one run share a time axis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchinfer.engine.request import Result
+from batchinfer.engine.stats import StepStats
+
+log = logging.getLogger(__name__)
+
+STEPS_DIR = "_steps"
+ROWS_DIR = "_rows"
+
+STEP_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int64()),
+        ("t", pa.float64()),
+        ("num_running", pa.int32()),
+        ("num_waiting", pa.int32()),
+        ("num_prefill_tokens", pa.int32()),
+        ("num_decode_tokens", pa.int32()),
+        ("kv_blocks_used", pa.int32()),
+        ("kv_blocks_free", pa.int32()),
+        ("num_preemptions", pa.int32()),
+        ("num_finished", pa.int32()),
+        ("schedule_ms", pa.float64()),
+        ("step_ms", pa.float64()),
+    ]
+)
+
+ROW_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("id", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("num_preemptions", pa.int32()),
+        ("queue_wait_s", pa.float64()),
+        ("ttft_s", pa.float64()),
+        ("decode_s", pa.float64()),
+        ("latency_s", pa.float64()),
+        ("finished_t", pa.float64()),
+        ("error", pa.string()),
+    ]
+)
+
+
+def new_run_id() -> str:
+    """A unique run id that sorts in start order: UTC time to the microsecond, process id, random tag."""
+    now = time.time()
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}"
+    return f"{stamp}-{os.getpid()}-{os.urandom(2).hex()}"
+
+
+def _diff(later: float | None, earlier: float | None) -> float | None:
+    if later is None or earlier is None:
+        return None
+    return max(0.0, later - earlier)
+
+
+def row_metrics(result: Result) -> dict[str, float | None]:
+    """Per-row timings for the writer to add as columns (None where the engine gave no time).
+
+    queue_wait_s: arrival to first scheduling; ttft_s: arrival to the first output token;
+    decode_s: first output token to finish.
+    """
+    t = result.times
+    if t is None:
+        return {"queue_wait_s": None, "ttft_s": None, "decode_s": None}
+    return {
+        "queue_wait_s": _diff(t.scheduled, t.arrived),
+        "ttft_s": _diff(t.first_token, t.arrived),
+        "decode_s": _diff(t.finished, t.first_token),
+    }
+
+
+def step_record(run_id: str, stats: StepStats, t0: float) -> dict[str, Any]:
+    """One `_steps` record from the engine's StepStats (t relative to the run start t0)."""
+    return {
+        "run_id": run_id,
+        "step": stats.step,
+        "t": stats.time - t0,
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+        "num_prefill_tokens": stats.num_prefill_tokens,
+        "num_decode_tokens": stats.num_decode_tokens,
+        "kv_blocks_used": stats.kv_blocks_used,
+        "kv_blocks_free": stats.kv_blocks_free,
+        "num_preemptions": stats.num_preemptions,
+        "num_finished": stats.num_finished,
+        "schedule_ms": stats.schedule_ms,
+        "step_ms": stats.step_ms,
+    }
+
+
+def row_record(run_id: str, row_id: Any, result: Result, t0: float) -> dict[str, Any]:
+    """One `_rows` record: token counts, finish reason, timings (t relative to the run start t0)."""
+    t = result.times
+    rec: dict[str, Any] = {
+        "run_id": run_id,
+        "id": str(row_id),
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "num_preemptions": result.num_preemptions,
+        "error": result.error,
+    }
+    rec.update(row_metrics(result))
+    rec["latency_s"] = _diff(t.finished, t.arrived) if t is not None else None
+    rec["finished_t"] = (t.finished - t0) if t is not None and t.finished is not None else None
+    return rec
+
+
+@dataclass(frozen=True)
+class SinkConfig:
+    """Where a PartSink writes and how often it flushes."""
+
+    folder: Path
+    schema: pa.Schema
+    run_id: str
+    flush_rows: int = 10_000
+    flush_s: float = 30.0
+
+
+class PartSink:
+    """Collects records and writes them as complete Parquet parts (atomic: temp file, then rename)."""
+
+    def __init__(self, config: SinkConfig) -> None:
+        self.config = config
+        self._buffer: list[dict[str, Any]] = []
+        self._part = 0
+        self._last_flush = time.monotonic()
+        self.rows_written = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        self._buffer.append(record)
+        due = time.monotonic() - self._last_flush >= self.config.flush_s
+        if len(self._buffer) >= self.config.flush_rows or due:
+            self.flush()
+
+    def flush(self) -> Path | None:
+        """Write the buffered records as one part; returns its path (None when nothing was buffered)."""
+        self._last_flush = time.monotonic()
+        if not self._buffer:
+            return None
+        cfg = self.config
+        cfg.folder.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pylist(self._buffer, schema=cfg.schema)
+        name = f"part-{cfg.run_id}-{self._part:05d}.parquet"
+        final = cfg.folder / name
+        tmp = cfg.folder / f".{name}.tmp"
+        pq.write_table(table, str(tmp))
+        os.replace(tmp, final)
+        self._part += 1
+        self.rows_written += table.num_rows
+        self._buffer.clear()
+        return final
+
+
+def part_paths(folder: Path) -> list[str]:
+    """The complete parts of a record folder, in name (= run, then part) order."""
+    if not folder.is_dir():
+        return []
+    return sorted(str(p) for p in folder.glob("part-*.parquet"))

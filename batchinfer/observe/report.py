@@ -1,0 +1,316 @@
+"""The end-of-run report: `_report.json` (numbers) and `_report.html` (one self-contained page of plots).
+
+Both are rebuilt from what the run left beside the output (the `_steps/` and `_rows/` records, the
+manifest), so `batchinfer report OUT_DIR` can print the summary and redraw the page at any time, also
+after a run that died or was resumed. Row records are de-duplicated (last record of an id wins) and,
+where the folder has a manifest, kept only for ids the committed output holds: the report's row
+totals are then the output's row totals.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from batchinfer.io.manifest import MANIFEST, REJECTS, Manifest, atomic_write_text
+from batchinfer.observe.records import ROW_SCHEMA, ROWS_DIR, STEP_SCHEMA, STEPS_DIR, part_paths
+
+log = logging.getLogger(__name__)
+
+REPORT_JSON = "_report.json"
+REPORT_HTML = "_report.html"
+PERCENTILES = (0.5, 0.9, 0.95, 0.99)
+VERSION_PACKAGES = (
+    "batchinfer", "torch", "transformers", "tokenizers", "safetensors", "triton", "flash-attn", "xgrammar",
+    "llguidance", "outlines-core", "pyarrow", "polars", "numpy",
+)
+LATENCY_COLUMNS = {"queue_wait": "queue_wait_s", "ttft": "ttft_s", "decode": "decode_s", "row": "latency_s"}
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of Python, the platform and the packages that change results or speed."""
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for name in VERSION_PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        import torch
+
+        out["cuda"] = str(torch.version.cuda)
+        if torch.cuda.is_available():
+            out["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # pragma: no cover - torch is a dependency, but a report must never fail on it
+        pass
+    return out
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def _run_offsets(steps: pl.DataFrame, rows: pl.DataFrame) -> pl.DataFrame:
+    """Per run: its start (s since its Observer was made) and where it begins on the joined time axis.
+
+    Runs (a first run and its resumes) are laid end to end in run_id order, each from its first step's
+    start to its last step or row, so plots over time show one continuous job.
+    """
+    spans = pl.concat(
+        [
+            steps.select("run_id", (pl.col("t") - pl.col("step_ms") / 1000.0).alias("a"), pl.col("t").alias("b")),
+            rows.select("run_id", pl.col("finished_t").alias("a"), pl.col("finished_t").alias("b")),
+        ]
+    )
+    runs = (
+        spans.group_by("run_id")
+        .agg(pl.col("a").min().alias("start"), pl.col("b").max().alias("end"))
+        .sort("run_id")
+        .with_columns((pl.col("end") - pl.col("start")).fill_null(0.0).clip(lower_bound=0.0).alias("duration"))
+        .with_columns((pl.col("duration").cum_sum() - pl.col("duration")).alias("offset"))
+    )
+    return runs.with_columns(pl.col("start").fill_null(0.0))
+
+
+def load_records(out_dir: str | Path) -> tuple[pl.DataFrame, pl.DataFrame, Manifest | None]:
+    """(steps, rows, manifest) of an output folder; both frames get an `elapsed` column (joined time axis)."""
+    out = Path(out_dir)
+    step_paths = part_paths(out / STEPS_DIR)
+    row_paths = part_paths(out / ROWS_DIR)
+    steps = pl.read_parquet(step_paths) if step_paths else pl.from_arrow(STEP_SCHEMA.empty_table())
+    rows = pl.read_parquet(row_paths) if row_paths else pl.from_arrow(ROW_SCHEMA.empty_table())
+    assert isinstance(steps, pl.DataFrame) and isinstance(rows, pl.DataFrame)
+    rows = rows.unique(subset="id", keep="last", maintain_order=True)
+    manifest = Manifest.load(out) if (out / MANIFEST).exists() else None
+    if manifest is not None and manifest.parts and manifest.id_column:
+        kept = pl.DataFrame({"id": sorted(manifest.finished_ids())}, schema={"id": pl.Utf8})
+        dropped = rows.height
+        rows = rows.join(kept, on="id", how="semi")
+        dropped -= rows.height
+        if dropped:
+            log.info("report: %d row records are not in the committed output (a run died); left out", dropped)
+    runs = _run_offsets(steps, rows).select("run_id", "start", "offset")
+    steps = steps.join(runs, on="run_id", how="left").with_columns(
+        (pl.col("t") - pl.col("start") + pl.col("offset")).alias("elapsed")
+    ).drop("start", "offset").sort("elapsed")
+    rows = rows.join(runs, on="run_id", how="left").with_columns(
+        (pl.col("finished_t") - pl.col("start") + pl.col("offset")).alias("elapsed")
+    ).drop("start", "offset")
+    return steps, rows, manifest
+
+
+# ------------------------------------------------------------------------------------------ numbers
+
+
+def _dist(frame: pl.DataFrame, column: str) -> dict[str, float | int | None]:
+    """count, mean, max and the PERCENTILES of one column (nulls left out)."""
+    s = frame.get_column(column).drop_nulls().cast(pl.Float64)
+    out: dict[str, float | int | None] = {"count": s.len()}
+    if s.len() == 0:
+        out.update({"mean": None, "max": None, **{f"p{int(q * 100)}": None for q in PERCENTILES}})
+        return out
+    out["mean"] = float(s.mean())  # type: ignore[arg-type]
+    for q in PERCENTILES:
+        out[f"p{int(q * 100)}"] = float(s.quantile(q, interpolation="linear"))  # type: ignore[arg-type]
+    out["max"] = float(s.max())  # type: ignore[arg-type]
+    return out
+
+
+def error_kind(message: str | None) -> str:
+    """A short class of an error message: the text before its first ':' (what our errors start with)."""
+    if not message:
+        return "unknown"
+    head = message.split(":", 1)[0].strip()
+    return (head or message.strip())[:80]
+
+
+def _engine_seconds(steps: pl.DataFrame) -> float:
+    """Time the engine ran: per run, first step's start to last step's end, summed over runs."""
+    if steps.height == 0:
+        return 0.0
+    per_run = steps.group_by("run_id").agg(
+        (pl.col("t").max() - (pl.col("t") - pl.col("step_ms") / 1000.0).min()).alias("s")
+    )
+    return float(per_run.get_column("s").sum())
+
+
+def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest | None) -> dict[str, Any]:
+    """The numbers of `_report.json` (everything but the run's own config/fingerprint/versions)."""
+    reasons = rows.group_by("finish_reason").len().sort("finish_reason")
+    finish = {r: int(n) for r, n in reasons.iter_rows()}
+    n_err = finish.get("error", 0)
+    totals = {
+        "rows": rows.height,
+        "ok": rows.height - n_err,
+        "errors": n_err,
+        "finish_reasons": finish,
+        "prompt_tokens": int(rows.get_column("prompt_tokens").sum()),
+        "completion_tokens": int(rows.get_column("completion_tokens").sum()),
+        "row_preemptions": int(rows.get_column("num_preemptions").sum()),
+        "steps": steps.height,
+        "step_preemptions": int(steps.get_column("num_preemptions").sum()),
+        "prefill_tokens_processed": int(steps.get_column("num_prefill_tokens").sum()),
+        "decode_tokens_processed": int(steps.get_column("num_decode_tokens").sum()),
+        "runs": steps.get_column("run_id").unique().len() if steps.height else rows.get_column("run_id").unique().len(),
+    }
+    secs = _engine_seconds(steps)
+    rate = (lambda n: n / secs) if secs > 0 else (lambda n: None)
+    ok = rows.filter(pl.col("finish_reason") != "error")
+    ok_prompt = int(ok.get_column("prompt_tokens").sum())  # an error row's prompt was never run
+    throughput = {
+        "engine_s": secs,
+        "rows_per_s": rate(totals["rows"]),
+        "rows_per_hour": rate(totals["rows"] * 3600),
+        "prompt_tokens_per_s": rate(ok_prompt),
+        "completion_tokens_per_s": rate(totals["completion_tokens"]),
+        "total_tokens_per_s": rate(ok_prompt + totals["completion_tokens"]),
+    }
+    errs = (
+        rows.filter(pl.col("finish_reason") == "error")
+        .with_columns(pl.col("error").map_elements(error_kind, return_dtype=pl.Utf8).alias("kind"))
+        .group_by("kind")
+        .agg(pl.len().alias("n"), pl.col("id").first().alias("example_id"), pl.col("error").first().alias("example"))
+        .sort("n", descending=True)
+    )
+    errors_by_kind = {k: {"count": int(n), "example_id": i, "example": e} for k, n, i, e in errs.iter_rows()}
+    kv: dict[str, Any] = {"total_blocks": None, "peak_used": None, "peak_used_frac": None, "mean_used_frac": None}
+    if steps.height:
+        k = steps.select(
+            (pl.col("kv_blocks_used") + pl.col("kv_blocks_free")).max().alias("total"),
+            pl.col("kv_blocks_used").max().alias("peak"),
+            (pl.col("kv_blocks_used") / (pl.col("kv_blocks_used") + pl.col("kv_blocks_free"))).mean().alias("mean"),
+        ).row(0, named=True)
+        total = int(k["total"] or 0)
+        kv = {
+            "total_blocks": total,
+            "peak_used": int(k["peak"]),
+            "peak_used_frac": (k["peak"] / total) if total else None,
+            "mean_used_frac": float(k["mean"]) if k["mean"] is not None else None,
+            "peak_running": int(steps.get_column("num_running").max()),  # type: ignore[arg-type]
+            "peak_waiting": int(steps.get_column("num_waiting").max()),  # type: ignore[arg-type]
+        }
+    step_ms = {"step": _dist(steps, "step_ms"), "schedule": _dist(steps, "schedule_ms")}
+    total_step = float(steps.get_column("step_ms").sum()) if steps.height else 0.0
+    step_ms["schedule_share"] = (float(steps.get_column("schedule_ms").sum()) / total_step) if total_step else None  # type: ignore[assignment]
+    output = None
+    if manifest is not None:
+        out_rows = sum(p.rows for p in manifest.parts)
+        out_errors = sum(p.errors for p in manifest.parts)
+        output = {
+            "parts": len(manifest.parts),
+            "rows": out_rows,
+            "errors": out_errors,
+            "rows_without_record": out_rows - rows.height,
+            "matches_records": out_rows == rows.height and out_errors == n_err,
+        }
+        rejects = manifest.folder / REJECTS
+        if rejects.exists():
+            with open(rejects, "rb") as fh:
+                output["rejects"] = sum(1 for line in fh if line.strip())
+    return {
+        "totals": totals,
+        "throughput": throughput,
+        "latency_s": {name: _dist(ok, col) for name, col in LATENCY_COLUMNS.items()},  # errors end at once
+        "lengths": {"prompt_tokens": _dist(rows, "prompt_tokens"), "completion_tokens": _dist(rows, "completion_tokens")},
+        "step_ms": step_ms,
+        "errors_by_kind": errors_by_kind,
+        "kv": kv,
+        "output": output,
+    }
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def build_report(out_dir: str | Path, run: dict[str, Any] | None = None) -> tuple[dict[str, Any], pl.DataFrame, pl.DataFrame]:
+    """(report dict, steps, rows). `run`: what the driver knows (config, fingerprint, ...), kept as is."""
+    out = Path(out_dir)
+    steps, rows, manifest = load_records(out)
+    report: dict[str, Any] = {"version": 1, "out_dir": str(out.resolve()), "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    run = dict(run or {})
+    report["fingerprint"] = run.pop("fingerprint", None) or (manifest.fingerprint if manifest else None)
+    report["config"] = run.pop("config", None)
+    report["versions"] = run.pop("versions", None) or package_versions()
+    report["run"] = run
+    report.update(compute_report(steps, rows, manifest))
+    return report, steps, rows
+
+
+def write_report(out_dir: str | Path, run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write `_report.json` and `_report.html` into out_dir; returns the report dict."""
+    from batchinfer.observe.page import render_html  # matplotlib is imported only when a page is drawn
+
+    out = Path(out_dir)
+    report, steps, rows = build_report(out, run)
+    atomic_write_text(out / REPORT_JSON, json.dumps(report, indent=1, default=str) + "\n")
+    atomic_write_text(out / REPORT_HTML, render_html(report, steps, rows))
+    log.info("wrote %s and %s", out / REPORT_JSON, out / REPORT_HTML)
+    return report
+
+
+def _fmt(x: Any, spec: str = ",.0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summary_text(report: dict[str, Any]) -> str:
+    """The few lines a person reads at the end of a run."""
+    t, tp, lat, kv = report["totals"], report["throughput"], report["latency_s"], report["kv"]
+    reasons = ", ".join(f"{k} {v:,}" for k, v in t["finish_reasons"].items()) or "none"
+    lines = [
+        f"batchinfer report: {report['out_dir']}",
+        f"rows {t['rows']:,} (ok {t['ok']:,}, error {t['errors']:,}); finish: {reasons}",
+        f"tokens: prompt {t['prompt_tokens']:,}, completion {t['completion_tokens']:,}",
+        f"engine time {tp['engine_s']:.1f} s, {t['steps']:,} steps, {t['runs']} run(s); "
+        f"{_fmt(tp['rows_per_s'], ',.2f')} rows/s, {_fmt(tp['rows_per_hour'])} rows/h, "
+        f"{_fmt(tp['completion_tokens_per_s'], ',.1f')} output tok/s, {_fmt(tp['total_tokens_per_s'], ',.1f')} total tok/s",
+        "latency p50/p90/p99 (s): "
+        + "; ".join(
+            f"{name} {_fmt(d['p50'], '.3f')}/{_fmt(d['p90'], '.3f')}/{_fmt(d['p99'], '.3f')}" for name, d in lat.items()
+        ),
+    ]
+    if kv["total_blocks"]:
+        lines.append(
+            f"KV blocks: peak {kv['peak_used']:,}/{kv['total_blocks']:,} ({kv['peak_used_frac']:.0%}), "
+            f"mean {kv['mean_used_frac']:.0%}; preemptions {t['step_preemptions']:,}"
+        )
+    for kind, e in report["errors_by_kind"].items():
+        lines.append(f"error {kind}: {e['count']:,} (e.g. row {e['example_id']})")
+    out = report.get("output")
+    if out is not None and not out["matches_records"]:
+        lines.append(
+            f"note: the output holds {out['rows']:,} rows ({out['errors']:,} errors) but only "
+            f"{t['rows']:,} have records (rows done without the observer are not in these numbers)"
+        )
+    lines.append(f"page: {Path(report['out_dir']) / REPORT_HTML}")
+    return "\n".join(lines)
+
+
+def report_command(out_dir: str | Path) -> str:
+    """`batchinfer report OUT_DIR`: rebuild `_report.json`/`_report.html` from the records; return the summary.
+
+    The run's own facts (config, fingerprint, versions, driver summary) are kept from the previous
+    `_report.json` when there is one.
+    """
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise FileNotFoundError(f"{out}: no such output folder")
+    if not part_paths(out / STEPS_DIR) and not part_paths(out / ROWS_DIR):
+        raise FileNotFoundError(f"{out}: no run records ({STEPS_DIR}/, {ROWS_DIR}/); was it written by batchinfer run?")
+    run: dict[str, Any] = {}
+    prev = out / REPORT_JSON
+    if prev.exists():
+        try:
+            old = json.loads(prev.read_text(encoding="utf-8"))
+            run = dict(old.get("run") or {})
+            for key in ("fingerprint", "config", "versions"):
+                if old.get(key) is not None:
+                    run[key] = old[key]
+        except (OSError, ValueError) as e:
+            log.warning("%s is unreadable (%s); the run's config and versions are left out", prev, e)
+    return summary_text(write_report(out, run))

@@ -1,0 +1,512 @@
+"""The job driver: plan inputs -> pending rows -> requests -> engine results -> part files.
+
+Each arrow is one function or class here, so later work can slot in: a data-parallel executor
+replaces `execute` (it gets the same pending rows and writer), metrics hook `on_row` (a per-row
+timing record) and `on_progress` (called after every finished row).
+
+Exactly-once resume: see batchinfer/io/manifest.py for the commit protocol. The finished ids come from
+the committed parts; a row whose id is among them is skipped when the input is read again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import pyarrow as pa
+
+from batchinfer.engine.request import Request, Result
+from batchinfer.io import manifest as mf
+from batchinfer.io.ids import IdCheck, check_ids
+from batchinfer.io.model_files import model_components
+from batchinfer.io.readers import InputError, InputFile, Reject, Row, input_columns, iter_rows, list_input_files
+from batchinfer.io.writer import PartWriter, existing_schema, output_schema
+from batchinfer.job import JobError, JobSpec, load_job
+from batchinfer.prompts import PromptBuilder, RowError
+
+log = logging.getLogger(__name__)
+
+
+class RunError(RuntimeError):
+    """The run itself failed (engine crash, disk full): exit code 1."""
+
+
+# ---- results of a run ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowRecord:
+    """Per-row timing record (for metrics): what happened to one row in the engine."""
+
+    row_id: Any
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    times: Any = None  # engine RequestTimes, or None for rows that never reached the engine
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run did. Totals cover the whole job's output folder (all runs), `this_run_*` this run."""
+
+    output_path: str
+    input_rows: int  # rows with an id, over all input files
+    rows_done: int  # rows committed in the output (all runs)
+    error_rows: int  # of those, rows with an error (all runs)
+    rejects: int  # input lines with no usable id (see _rejects.jsonl)
+    this_run_rows: int = 0
+    this_run_errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    nothing_to_do: bool = False
+    recovered_parts: int = 0
+
+    @property
+    def error_rate(self) -> float:
+        total = self.rows_done + self.rejects
+        return (self.error_rows + self.rejects) / total if total else 0.0
+
+    def describe(self) -> str:
+        if self.nothing_to_do:
+            head = f"nothing to do: all {self.rows_done} rows are already in {self.output_path}"
+        else:
+            rate = (self.prompt_tokens + self.completion_tokens) / self.seconds if self.seconds else 0.0
+            head = (
+                f"done: {self.this_run_rows} rows in {self.seconds:.1f}s "
+                f"({self.this_run_rows / self.seconds if self.seconds else 0:.1f} rows/s, {rate:.0f} tokens/s; "
+                f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens) -> {self.output_path}"
+            )
+        tail = f"\noutput holds {self.rows_done} of {self.input_rows} rows; {self.error_rows} with errors"
+        if self.rejects:
+            tail += f"; {self.rejects} input lines rejected (see {Path(self.output_path) / mf.REJECTS})"
+        return head + tail
+
+
+# ---- stage 1: plan the inputs ------------------------------------------------------------------------
+
+
+@dataclass
+class JobPlan:
+    """Everything known before the engine starts: files, ids, output folder state, fingerprint."""
+
+    spec: JobSpec
+    files: list[InputFile]
+    ids: IdCheck
+    model_dir: Path
+    manifest: mf.Manifest
+    finished: set[str]
+    key_types: dict[str, pa.DataType | None]
+    recovered: int = 0
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.spec.output.path)
+
+    @property
+    def pending_count(self) -> int:
+        if not self.finished:
+            return self.ids.num_rows
+        return self.ids.num_rows - sum(1 for i in self.ids.ids.get_column("id").to_list() if i in self.finished)
+
+
+def fingerprint_components(spec: JobSpec, model_dir: Path) -> dict[str, Any]:
+    """The inputs of the fingerprint: everything that changes the outputs (not engine speed knobs)."""
+    s = spec.structured
+    structured = None
+    if s is not None:
+        c = s.constraint()
+        structured = {"kind": c.kind, "value": c.value, "whitespace": c.whitespace, "backend": s.backend}
+    return {
+        "model": {"files": model_components(model_dir), "dtype": spec.model.dtype, "max_model_len": spec.model.max_model_len},
+        "prompt": spec.prompt.model_dump(mode="json"),
+        "sampling": spec.sampling.model_dump(mode="json"),
+        "structured": structured,
+        "columns": {"id": spec.input.id_column, "keep": list(spec.output.keep_columns)},
+    }
+
+
+def check_schema(spec: JobSpec, model_dir: Path) -> None:
+    """Refuse a constraint no grammar backend compiles before the engine loads (raises GrammarError)."""
+    from batchinfer.models.loader import load_model_info, load_tokenizer
+    from batchinfer.structured.compiler import check_constraint
+
+    assert spec.structured is not None
+    info = load_model_info(str(model_dir), spec.model.dtype)
+    check_constraint(spec.structured.constraint(), load_tokenizer(model_dir), info.vocab_size, spec.structured.backend)
+
+
+def resolve_model(spec: JobSpec) -> Path:
+    from batchinfer.models.loader import ModelLoadError, resolve_model_dir
+
+    try:
+        return resolve_model_dir(spec.model.path)
+    except ModelLoadError as e:
+        raise JobError(f"model.path: {e}") from None
+
+
+def _key_types(spec: JobSpec, files: list[InputFile]) -> dict[str, pa.DataType | None]:
+    """Output types of the id and kept columns: from the first Parquet file that has them, else inferred."""
+    names = [spec.input.id_column] + [c for c in spec.output.keep_columns if c != spec.input.id_column]
+    types: dict[str, pa.DataType | None] = {n: None for n in names}
+    for f in files:
+        cols = input_columns(f)
+        if cols is None:
+            continue
+        missing = [c for c in spec.output.keep_columns if c not in cols]
+        if missing:
+            raise InputError(f"output.keep_columns: {', '.join(missing)} not a column of {f.path} (columns: {', '.join(cols)})")
+        import pyarrow.parquet as pq
+
+        schema = pq.ParquetFile(f.path).schema_arrow
+        for n in names:
+            if types[n] is None:
+                types[n] = schema.field(n).type
+    return types
+
+
+def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
+    """Stage 1: list files, check ids, open the output folder (recover, fingerprint check)."""
+    model_dir = resolve_model(spec)
+    files = list_input_files(spec.input.path, spec.input.format)
+    ids = check_ids(files, spec.input.id_column)
+    components = fingerprint_components(spec, model_dir)
+    fp = mf.fingerprint_of(components)
+    hashes = mf.component_hashes(components)
+    out = Path(spec.output.path)
+    if out.exists() and not out.is_dir():
+        raise JobError(f"output.path: {out} is a file, not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        mf.clear_output(out)
+    removed = mf.remove_temp_files(out)
+    if removed:
+        log.info("removed %d unfinished temp file(s) from %s", removed, out)
+    manifest = mf.Manifest.load(out)
+    if manifest is not None and manifest.fingerprint != fp:
+        changed = [k for k in hashes if manifest.components.get(k) != hashes[k]]
+        raise JobError(
+            f"{out} holds output of a different job (changed: {', '.join(changed) or 'fingerprint'}); "
+            "use --overwrite to replace it, or a new output.path"
+        )
+    if manifest is None:
+        if mf.part_files(out):
+            foreign = mf.Manifest(out, fp, hashes, spec.input.id_column)
+            mf.recover(foreign)  # parts of this very job whose manifest write was cut; others are deleted
+            manifest = foreign if foreign.parts else None
+        if manifest is None:
+            manifest = mf.Manifest(out, fp, hashes, spec.input.id_column)
+            manifest.save()
+        recovered = len(manifest.parts)
+    else:
+        recovered, deleted = mf.recover(manifest)
+        if deleted:
+            log.warning("deleted %d part file(s) not written by this job", deleted)
+    if recovered:
+        log.info("recovered %d committed part(s) missing from the manifest", recovered)
+    key_types = _key_types(spec, files)
+    if manifest.parts:
+        schema = existing_schema(out, manifest.parts[0].name)
+        key_types = {n: schema.field(n).type if n in schema.names else t for n, t in key_types.items()}
+    return JobPlan(spec, files, ids, model_dir, manifest, manifest.finished_ids(), key_types, recovered)
+
+
+# ---- stage 2: pending rows ----------------------------------------------------------------------------
+
+
+def pending_rows(plan: JobPlan, columns: list[str] | None = None) -> Iterator[Row | Reject]:
+    """Stage 2: input rows not yet in the output (and rejects), streamed batch by batch."""
+    id_col = plan.spec.input.id_column
+    for batch in iter_rows(plan.files, id_col, plan.spec.input.batch_size, columns):
+        for item in batch:
+            if isinstance(item, Row) and str(item.values[id_col]) in plan.finished:
+                continue
+            yield item
+
+
+# ---- stage 3: rows to requests -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowMeta:
+    """What the writer needs of a row once its result comes back (not the row's text)."""
+
+    keys: dict[str, Any]
+    file: str
+    line: int
+    prompt_tokens: int = 0
+
+
+class RequestBuilder:
+    """Stage 3: a row becomes a Request (or a RowError naming what is wrong with it)."""
+
+    def __init__(self, spec: JobSpec, tokenizer: Any, max_model_len: int, constraint: Any) -> None:
+        self.spec = spec
+        self.prompts = PromptBuilder(spec.prompt, tokenizer)
+        self.max_model_len = max_model_len
+        self.sampling = spec.sampling.to_params()
+        self.constraint = constraint
+        self.key_names = [spec.input.id_column] + [c for c in spec.output.keep_columns if c != spec.input.id_column]
+
+    def keys(self, row: Row) -> dict[str, Any]:
+        return {k: row.values.get(k) for k in self.key_names}
+
+    def build(self, row: Row, request_id: str) -> Request:
+        text, ids = self.prompts.encode(row.values)
+        if len(ids) >= self.max_model_len:
+            raise RowError(f"prompt has {len(ids)} tokens; the model allows at most {self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        return Request(request_id, ids, self.sampling, self.constraint, text)
+
+
+# ---- stage 4: results to output rows -----------------------------------------------------------------
+
+
+class ResultConverter:
+    """Stage 4: an engine Result (or a row error) becomes an output row; JSON answers are checked."""
+
+    def __init__(self, spec: JobSpec, constraint: Any) -> None:
+        self.constraint = constraint
+        self.schema = spec.structured.schema_dict() if spec.structured and spec.structured.json_schema is not None else None
+        self.output_type: pa.DataType | None = None
+        self._to_arrow: Callable[[Any], Any] | None = None
+        if self.schema is not None:
+            self.output_type, self._to_arrow = _arrow_mapping(self.schema)
+
+    def error_row(self, meta: RowMeta, message: str) -> dict[str, Any]:
+        row = dict(meta.keys)
+        row.update(output_text=None, finish_reason="error", prompt_tokens=meta.prompt_tokens, completion_tokens=0, error=message)
+        if self.schema is not None:
+            row["output"] = None
+        return row
+
+    def row(self, meta: RowMeta, result: Result) -> dict[str, Any]:
+        out = dict(meta.keys)
+        out.update(
+            output_text=result.text if result.finish_reason != "error" else (result.text or None),
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            error=result.error,
+        )
+        if result.finish_reason == "error" and not out["error"]:
+            out["error"] = "the engine failed this row without a message"
+        if self.constraint is not None and result.finish_reason != "error":
+            value, err = _validate(self.constraint, result.text)
+            if err is not None:
+                if result.finish_reason == "length":
+                    out["error"] = f"output cut at max_tokens ({result.completion_tokens} tokens) before it matched: {err}"
+                else:
+                    out["finish_reason"] = "error"
+                    out["error"] = f"output does not match the constraint: {err}"
+            elif self.schema is not None:
+                out["output"] = self._to_arrow(value)  # type: ignore[misc]
+        if self.schema is not None:
+            out.setdefault("output", None)
+        return out
+
+
+def _arrow_mapping(schema: dict[str, Any]) -> tuple[pa.DataType, Callable[[Any], Any]]:
+    """The `output` column type for a JSON schema (an Arrow struct etc.), or JSON text where none fits."""
+    from batchinfer.structured.arrow import arrow_type_for_schema, to_arrow_value
+
+    typ = arrow_type_for_schema(schema)
+    return (typ if typ is not None else pa.string()), (lambda v: to_arrow_value(v, schema))
+
+
+def _validate(constraint: Any, text: str) -> tuple[Any, str | None]:
+    from batchinfer.structured.validate import validate_output
+
+    return validate_output(constraint, text)
+
+
+# ---- stage 5: drive the engine -----------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """Counters of the running job; `on_progress` callbacks see this after every finished row."""
+
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rejects: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+def _reject_line(r: Reject) -> str:
+    return json.dumps({"file": r.file, "line": r.line, "text": r.text, "reason": r.reason}, ensure_ascii=False)
+
+
+def execute(
+    items: Iterable[Row | Reject],
+    engine: Any,
+    builder: RequestBuilder,
+    converter: ResultConverter,
+    writer: PartWriter,
+    rejects_file: Any,
+    progress: Progress,
+    on_row: Callable[[RowRecord], None] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> None:
+    """Feed pending rows to the engine lazily; write each result as it finishes.
+
+    Rows that fail before the engine (template, length) are written straight away, from inside the
+    request generator (same thread), so memory stays bounded even for a long run of bad rows.
+    """
+    inflight: dict[str, RowMeta] = {}
+
+    def finish(row: dict[str, Any], record: RowRecord) -> None:
+        writer.add(row)
+        progress.rows += 1
+        progress.errors += row["error"] is not None
+        progress.prompt_tokens += record.prompt_tokens
+        progress.completion_tokens += record.completion_tokens
+        if on_row:
+            on_row(record)
+        if on_progress:
+            on_progress(progress)
+
+    def requests() -> Iterator[Request]:
+        n = 0
+        for item in items:
+            if isinstance(item, Reject):
+                rejects_file.write(_reject_line(item) + "\n")
+                progress.rejects += 1
+                continue
+            meta = RowMeta(builder.keys(item), item.file, item.line)
+            rid = str(n)
+            n += 1
+            try:
+                req = builder.build(item, rid)
+            except RowError as e:
+                msg = f"{e} ({Path(item.file).name} line {item.line})"
+                finish(converter.error_row(meta, msg), RowRecord(meta.keys[builder.key_names[0]], "error", 0, 0))
+                continue
+            inflight[rid] = meta
+            yield req
+
+    for result in engine.generate(requests()):
+        meta = inflight.pop(result.request_id)
+        row = converter.row(meta, result)
+        record = RowRecord(
+            meta.keys[builder.key_names[0]], row["finish_reason"], result.prompt_tokens, result.completion_tokens,
+            result.times, result.num_preemptions,
+        )
+        finish(row, record)
+        writer.maybe_flush()
+    if inflight:
+        raise RunError(f"the engine ended without results for {len(inflight)} request(s)")
+
+
+# ---- the whole job ------------------------------------------------------------------------------------
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="row", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+
+
+def make_engine(spec: JobSpec, on_step: Callable[[Any], None] | None = None):
+    from batchinfer.engine.engine import Engine
+
+    return Engine(spec.engine_config(), on_step=on_step)
+
+
+def run(
+    job: "str | Path | dict[str, Any] | JobSpec",
+    overrides: list[str] | tuple[str, ...] = (),
+    overwrite: bool = False,
+    progress: bool | None = None,
+    engine_factory: Callable[..., Any] = make_engine,
+    on_row: Callable[[RowRecord], None] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    on_step: Callable[[Any], None] | None = None,
+) -> RunSummary:
+    """Run a batch job (path, dict or JobSpec) to completion and return its summary.
+
+    progress: show a tqdm bar (default: when stderr is a terminal). on_row gets a RowRecord per
+    finished row, on_progress the running counters, on_step the engine's per-step stats. Raises JobError/InputError for a
+    job that cannot run, RunError (or the engine's exception) when the run fails.
+    """
+    spec = load_job(job, overrides)
+    plan = plan_inputs(spec, overwrite=overwrite)
+    out = plan.output_dir
+    pending = plan.pending_count
+    t0 = time.perf_counter()
+    rejects_path = out / mf.REJECTS
+    if pending == 0:
+        rejects = sum(1 for _ in rejects_path.open()) if rejects_path.exists() else 0
+        s = _summary(plan, rejects, Progress(), 0.0, nothing_to_do=True)
+        log.debug("%s", s.describe())
+        return s
+    log.info("%d of %d rows to do (%d already in %s)", pending, plan.ids.num_rows, plan.ids.num_rows - pending, out)
+    constraint = spec.structured.constraint() if spec.structured else None
+    if constraint is not None:
+        check_schema(spec, plan.model_dir)
+    engine = engine_factory(spec, on_step=on_step)
+    max_len = getattr(engine, "max_model_len", None) or spec.model.max_model_len or engine.model_info.max_position_embeddings
+    builder = RequestBuilder(spec, engine.tokenizer, max_len, constraint)
+    converter = ResultConverter(spec, constraint)
+    columns = output_schema(plan.key_types, converter.output_type)
+    writer = PartWriter(plan.manifest, columns, spec.output.rows_per_part, spec.output.seconds_per_part)
+    needed = sorted(set(builder.key_names) | set(builder.prompts.columns))
+    stats = Progress()
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = _progress_bar(pending, show)
+
+    def tick(p: Progress) -> None:
+        bar.update(1)
+        if bar.n % 8 == 0:
+            dt = time.perf_counter() - p.started
+            bar.set_postfix(tok_s=f"{(p.prompt_tokens + p.completion_tokens) / dt:.0f}" if dt else "-", errors=p.errors, refresh=False)
+        if on_progress:
+            on_progress(p)
+
+    tmp_rejects = out / f"{mf.TMP_PREFIX}{mf.REJECTS}"
+    try:
+        with open(tmp_rejects, "w", encoding="utf-8") as rf:
+            execute(pending_rows(plan, needed), engine, builder, converter, writer, rf, stats, on_row, tick)
+            writer.close()
+        tmp_rejects.replace(rejects_path)
+    finally:
+        bar.close()
+    s = _summary(plan, stats.rejects, stats, time.perf_counter() - t0)
+    log.debug("%s", s.describe())
+    return s
+
+
+def _summary(plan: JobPlan, rejects: int, stats: Progress, seconds: float, nothing_to_do: bool = False) -> RunSummary:
+    m = plan.manifest
+    return RunSummary(
+        output_path=str(plan.output_dir),
+        input_rows=plan.ids.num_rows,
+        rows_done=sum(p.rows for p in m.parts),
+        error_rows=sum(p.errors for p in m.parts),
+        rejects=rejects,
+        this_run_rows=stats.rows,
+        this_run_errors=stats.errors,
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        seconds=seconds,
+        nothing_to_do=nothing_to_do,
+        recovered_parts=plan.recovered,
+    )
+
+
+class _CallableModule(type(sys)):  # type: ignore[misc]
+    """`batchinfer.run` is both this module and the function: importing the submodule binds the
+    package attribute `run` to the module, so the module itself forwards calls to `run()`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> RunSummary:
+        return run(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

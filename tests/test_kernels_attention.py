@@ -1,0 +1,221 @@
+"""Paged decode / extend attention kernels and the "triton" attention backend, on CPU through the
+Triton interpreter, against the PyTorch references and the torch attention backend."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+KERNEL_MODULES = ("cache", "decode_attention", "extend_attention")
+
+
+def load_interpreted_kernels() -> dict:
+    """(Re-)import the kernel modules with TRITON_INTERPRET=1 (read when a kernel is decorated);
+    the `interpreter` fixture keeps it set while this module's tests run."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mods = {}
+        for name in KERNEL_MODULES:
+            full = f"batchinfer.kernels.{name}"
+            mods[name] = importlib.reload(sys.modules[full]) if full in sys.modules else importlib.import_module(full)
+        return mods
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+K = load_interpreted_kernels()
+from batchinfer.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from batchinfer.kernels import reference  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+DTYPES = [torch.float32, torch.float16]
+# (num_heads, num_kv_heads, head_dim, block_size): GQA 4:2 and 8:1, MHA, a head_dim that is no power of two
+SHAPES = [(4, 2, 16, 4), (8, 1, 32, 16), (2, 2, 24, 8)]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    else:
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=5e-3, atol=5e-3)
+
+
+def paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype, seed, spare_blocks=3):
+    """Random K/V caches and shuffled block tables; slots no sequence owns hold NaN, so reading
+    past a sequence's context poisons the output."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(max(per_seq), 1)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for b, (n, s) in enumerate(zip(per_seq, seq_lens)):
+        blocks = [perm.pop() for _ in range(n)]
+        tables[b, :n] = torch.tensor(blocks, dtype=torch.int32)
+        for i in range(s):
+            blk, off = blocks[i // block_size], i % block_size
+            k_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+    return k_cache, v_cache, tables, gen
+
+
+# ---------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("num_splits,block_n", [(4, 16), (1, 32)])
+def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits, block_n):
+    seq_lens = [1, 37, 70, 16]
+    k_cache, v_cache, tables, gen = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=head_dim)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = K["decode_attention"].paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.25, num_splits=num_splits, block_n=block_n
+    )
+    close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25), dtype)
+
+
+def test_decode_padding_rows_are_zero():
+    """A CUDA-graph padded batch: sequences with seq_len 0 give zeros, not NaN."""
+    k_cache, v_cache, tables, gen = paged_context([9, 0, 5], 2, 16, 4, torch.float32, seed=1)
+    q = torch.randn(3, 4, 16, generator=gen)
+    lens = torch.tensor([9, 0, 5], dtype=torch.int32)
+    out = K["decode_attention"].paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, num_splits=4, block_n=16)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
+
+
+# ---------------------------------------------------------------- extend / prefill
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", SHAPES)
+def test_extend_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    # full prefill, a second chunk after a cached prefix, a decode token, a mid-block chunk
+    seq_lens = [70, 40, 33, 21]
+    query_lens = [70, 17, 1, 5]
+    k_cache, v_cache, tables, gen = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + 1)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = K["extend_attention"].paged_extend_attention(
+        q, k_cache, v_cache, tables, lens, qsl, max(query_lens), 0.3, block_rows=32, block_n=16
+    )
+    close(out, reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.3), dtype)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    data=st.data(),
+    shape=st.sampled_from(SHAPES),
+    block_rows=st.sampled_from([16, 64]),
+    block_n=st.sampled_from([16, 32]),
+)
+def test_extend_random_batches(data, shape, block_rows, block_n):
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    batch = data.draw(st.integers(1, 3))
+    seq_lens = [data.draw(st.integers(1, 45)) for _ in range(batch)]
+    query_lens = [data.draw(st.integers(1, s)) for s in seq_lens]
+    k_cache, v_cache, tables, gen = paged_context(seq_lens, num_kv_heads, head_dim, block_size, torch.float32, seed=batch)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = K["extend_attention"].paged_extend_attention(
+        q, k_cache, v_cache, tables, lens, qsl, max(query_lens), 0.2, block_rows=block_rows, block_n=block_n
+    )
+    close(out, reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.2), torch.float32)
+
+
+def test_reference_matches_naive_causal_attention():
+    """The reference itself: a full prefill equals plain causal softmax attention."""
+    k_cache, v_cache, tables, gen = paged_context([11], 1, 8, 4, torch.float32, seed=2)
+    q = torch.randn(11, 2, 8, generator=gen)
+    keys = k_cache[tables[0].long()].reshape(-1, 1, 8)[:11]
+    values = v_cache[tables[0].long()].reshape(-1, 1, 8)[:11]
+    scores = torch.einsum("qhd,khd->hqk", q, keys.expand(11, 2, 8)) * 0.5
+    scores = scores + torch.full((11, 11), float("-inf")).triu(1)
+    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.expand(11, 2, 8))
+    got = reference.paged_attention(q, k_cache, v_cache, tables, torch.tensor([11]), torch.tensor([0, 11]), 0.5)
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- the "triton" backend
+
+
+def test_triton_backend_matches_torch_backend_over_steps():
+    """Prefill, chunked prefill, a prefix-shared sequence, then decode steps: the triton backend and
+    the torch backend see the same steps on separate caches and must agree at every step."""
+    torch_backend = pytest.importorskip("batchinfer.attention.torch_backend")
+    paged_batch = pytest.importorskip("paged_batch")
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    triton_backend = TritonAttentionBackend(decode_splits=4, decode_block_n=16, extend_block_rows=16, extend_block_n=16)
+    ref_backend = torch_backend.TorchAttentionBackend()
+    (kc_t, vc_t), (kc_r, vc_r) = paged_batch.make_caches(2, 40, block_size, num_kv_heads, head_dim)
+    seqs = paged_batch.PagedSequences(40, block_size, seed=3)
+    a, b = seqs.add(), seqs.add()
+    gen = torch.Generator().manual_seed(0)
+    steps = [[(a, [1] * 13), (b, [1] * 6)], [(a, [1] * 3), (b, [1] * 9)]]
+    for step_index in range(5):
+        if step_index < len(steps):
+            chunks = steps[step_index]
+        else:
+            if step_index == len(steps):
+                c = seqs.share_prefix(a, 12)  # reuses a's first 3 blocks
+                chunks = [(a, [1]), (b, [1]), (c, [1] * 5)]
+            else:
+                chunks = [(s, [1]) for s in (a, b, c)]
+        _, _, meta = seqs.step(chunks)
+        tokens = meta.slot_mapping.shape[0]
+        q = torch.randn(tokens, num_heads, head_dim, generator=gen)
+        k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen)
+        got = triton_backend.forward(q, k, v, kc_t, vc_t, meta, 0.25)
+        want = ref_backend.forward(q, k, v, kc_r, vc_r, meta, 0.25)
+        assert torch.isfinite(got).all(), f"step {step_index}"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"step {step_index}")
+    assert meta.decode_only  # the last step went through the decode kernel
+    torch.testing.assert_close(torch.nan_to_num(kc_t, 9.0), torch.nan_to_num(kc_r, 9.0))
+
+
+def test_triton_backend_zeroes_padding_tokens():
+    """Tokens past the last sequence (slot -1) are not written and come back as zeros."""
+    paged_batch = pytest.importorskip("paged_batch")
+    backend = TritonAttentionBackend(extend_block_rows=16, extend_block_n=16)
+    (kc, vc), = paged_batch.make_caches(1, 8, 4, 1, 16)
+    seqs = paged_batch.PagedSequences(8, 4, seed=1)
+    s = seqs.add()
+    _, _, meta = seqs.step([(s, [1] * 6)])
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([-1, -1])])
+    q, k, v = torch.randn(8, 2, 16), torch.randn(8, 1, 16), torch.randn(8, 1, 16)
+    out = backend.forward(q, k, v, kc, vc, meta, 0.25)
+    assert torch.equal(out[6:], torch.zeros(2, 2, 16))
+    assert torch.isfinite(out).all()
+    assert int(torch.isfinite(kc).all(-1).all(-1).sum()) == 6
+
+
+def test_registry_builds_triton_backend():
+    attention = pytest.importorskip("batchinfer.attention")
+    if "triton" not in attention.BACKENDS:
+        pytest.skip("triton backend not registered yet")
+    assert attention.get_attention_backend("triton", "cpu").name == "triton"

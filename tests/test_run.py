@@ -1,0 +1,224 @@
+"""The job driver against the real engine with a tiny random model (in-process, one shared engine)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import batchinfer
+from batchinfer.io.manifest import MANIFEST, REJECTS
+from batchinfer.io.readers import InputError
+from batchinfer.job import JobError
+from batchinfer.run import make_engine, run
+
+WORDS = "invoice total date customer alpha beta gamma one two three".split()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One engine per engine config, shared by the runs of this module (loading is the slow part)."""
+    cache: dict = {}
+
+    def factory(spec, on_step=None):
+        key = spec.engine_config()
+        if key not in cache:
+            cache[key] = make_engine(spec)
+        return cache[key]
+
+    return factory
+
+
+def docs(n: int, start: int = 0) -> list[dict]:
+    return [{"doc_id": i, "text": " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(6)), "title": f"T{i}"} for i in range(start, start + n)]
+
+
+def job(model_dir: Path, tmp: Path, input_path: str, **over) -> dict:
+    d = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "input": {"path": input_path, "id_column": "doc_id"},
+        "output": {"path": str(tmp / "out"), "keep_columns": ["title"], "rows_per_part": 7},
+        "prompt": {"template": "Doc: {{ text }}"},
+        "sampling": {"max_tokens": 4},
+        "engine": {"max_num_seqs": 8, "device": "cpu", "num_kv_blocks": 64},
+    }
+    for k, v in over.items():
+        d[k] = {**d[k], **v} if isinstance(v, dict) and isinstance(d.get(k), dict) else v
+    return d
+
+
+def read_out(tmp: Path) -> pl.DataFrame:
+    return pl.read_parquet(tmp / "out" / "*.parquet")
+
+
+def test_parquet_shards_glob_exactly_once(tiny_model, tmp_path, engines):
+    (tmp_path / "in").mkdir()
+    for s in range(3):
+        pq.write_table(pa.Table.from_pylist(docs(10, 10 * s)), tmp_path / "in" / f"shard-{s}.parquet")
+    seen = []
+    summary = batchinfer.run(job(tiny_model, tmp_path, str(tmp_path / "in" / "shard-*.parquet")), engine_factory=engines, on_row=seen.append)
+    df = read_out(tmp_path)
+    assert sorted(df["doc_id"].to_list()) == list(range(30)) and len(seen) == 30
+    assert df.schema["doc_id"] == pl.Int64 and df["title"].to_list() == [f"T{i}" for i in df["doc_id"].to_list()]
+    assert set(df["finish_reason"].to_list()) <= {"stop", "length"} and df["error"].null_count() == 30
+    assert (df["completion_tokens"] <= 4).all() and (df["prompt_tokens"] > 0).all()
+    assert summary.this_run_rows == 30 and summary.error_rate == 0.0 and summary.rows_done == 30
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["rows"] == 30
+    again = run(job(tiny_model, tmp_path, str(tmp_path / "in")), engine_factory=engines)
+    assert again.nothing_to_do and "nothing to do" in again.describe()
+    # new shards arrive: only they are done
+    pq.write_table(pa.Table.from_pylist(docs(5, 30)), tmp_path / "in" / "shard-3.parquet")
+    more = run(job(tiny_model, tmp_path, str(tmp_path / "in")), engine_factory=engines)
+    assert more.this_run_rows == 5 and sorted(read_out(tmp_path)["doc_id"].to_list()) == list(range(35))
+
+
+def test_jsonl_bad_rows_and_rejects(tiny_model, tmp_path, engines):
+    good = docs(6)
+    lines = [json.dumps(r) for r in good[:3]]
+    lines += ["this is not json", "[1, 2]", json.dumps({"text": "no id"})]
+    lines += [json.dumps({"doc_id": 100, "title": "x"}), json.dumps({"doc_id": 101, "text": None}), json.dumps({"doc_id": 102, "text": {"a": 1}})]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as fh:
+        fh.write("\n".join(json.dumps(r) for r in good[3:]) + "\n")
+    s = run(job(tiny_model, tmp_path, str(tmp_path / "*.jsonl*")), engine_factory=engines)
+    df = read_out(tmp_path).sort("doc_id")
+    assert df["doc_id"].to_list() == [0, 1, 2, 3, 4, 5, 100, 101, 102]
+    errs = dict(zip(df["doc_id"].to_list(), df["error"].to_list()))
+    assert "template column 'text' is missing" in errs[100] and "a.jsonl line 7" in errs[100]
+    assert "template column 'text' is null" in errs[101]
+    assert "not a string or number" in errs[102]
+    assert df.filter(pl.col("doc_id") >= 100)["finish_reason"].to_list() == ["error"] * 3
+    rejects = [json.loads(x) for x in (tmp_path / "out" / REJECTS).read_text().splitlines()]
+    assert [(r["line"], r["text"][:8]) for r in rejects] == [(4, "this is "), (5, "[1, 2]"), (6, '{"text":')]
+    assert all(r["file"].endswith("a.jsonl") and r["reason"] for r in rejects)
+    assert s.rejects == 3 and s.error_rows == 3 and s.error_rate == pytest.approx(6 / 12)
+    again = run(job(tiny_model, tmp_path, str(tmp_path / "*.jsonl*")), engine_factory=engines)
+    assert again.nothing_to_do and again.rejects == 3
+
+
+def test_prompt_longer_than_the_model_allows(tiny_model, tmp_path, engines):
+    rows = docs(2) + [{"doc_id": 9, "text": "invoice " * 200, "title": "long"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    run(job(tiny_model, tmp_path, str(tmp_path / "in.parquet"), model={"max_model_len": 64}), engine_factory=engines)
+    df = read_out(tmp_path).sort("doc_id")
+    assert df["finish_reason"].to_list()[:2] != ["error", "error"]
+    assert df["finish_reason"][2] == "error" and "tokens; the model allows at most 63" in df["error"][2]
+
+
+class FailingEngine:
+    """Wraps an engine; raises after `after` results (a crash mid-run)."""
+
+    def __init__(self, engine, after: int):
+        self.engine, self.after = engine, after
+        self.tokenizer, self.model_info, self.max_model_len = engine.tokenizer, engine.model_info, engine.max_model_len
+
+    def generate(self, requests):
+        for n, r in enumerate(self.engine.generate(requests)):
+            if n == self.after:
+                raise RuntimeError("device lost")
+            yield r
+
+
+def test_crash_then_resume_does_only_missing_rows(tiny_model, tmp_path, engines):
+    pq.write_table(pa.Table.from_pylist(docs(40)), tmp_path / "in.parquet")
+    j = job(tiny_model, tmp_path, str(tmp_path / "in.parquet"))
+    with pytest.raises(RuntimeError, match="device lost"):
+        run(j, engine_factory=lambda spec, on_step=None: FailingEngine(engines(spec), 23))
+    committed = read_out(tmp_path).height
+    assert committed == 21  # three parts of 7; the two buffered rows are lost, not half-written
+    s = run(j, engine_factory=engines)
+    assert s.this_run_rows == 40 - committed
+    ids = read_out(tmp_path)["doc_id"]
+    assert ids.n_unique() == ids.len() == 40
+
+
+def test_changed_job_is_refused_unless_overwrite(tiny_model, tmp_path, engines):
+    pq.write_table(pa.Table.from_pylist(docs(5)), tmp_path / "in.parquet")
+    j = job(tiny_model, tmp_path, str(tmp_path / "in.parquet"))
+    run(j, engine_factory=engines)
+    changed = job(tiny_model, tmp_path, str(tmp_path / "in.parquet"), prompt={"template": "Other: {{ text }}"})
+    with pytest.raises(JobError, match=r"different job \(changed: prompt\).*--overwrite"):
+        run(changed, engine_factory=engines)
+    s = run(changed, overwrite=True, engine_factory=engines)
+    assert s.this_run_rows == 5 and read_out(tmp_path).height == 5
+    # engine speed knobs do not change the fingerprint
+    assert run(job(tiny_model, tmp_path, str(tmp_path / "in.parquet"), prompt={"template": "Other: {{ text }}"}, engine={"max_num_seqs": 4}), engine_factory=engines).nothing_to_do
+
+
+def test_whole_job_problems_are_refused_before_the_engine(tiny_model, tmp_path):
+    def no_engine(spec, on_step=None):
+        raise AssertionError("the engine must not start")
+
+    pq.write_table(pa.Table.from_pylist(docs(3) + docs(1, 1)), tmp_path / "dup.parquet")
+    with pytest.raises(InputError, match=r"duplicate id '1'.*dup.parquet line 2.*dup.parquet line 4"):
+        run(job(tiny_model, tmp_path, str(tmp_path / "dup.parquet")), engine_factory=no_engine)
+    with pytest.raises(InputError, match="no id column 'doc_id'"):
+        pq.write_table(pa.table({"x": [1]}), tmp_path / "noid.parquet")
+        run(job(tiny_model, tmp_path, str(tmp_path / "noid.parquet")), engine_factory=no_engine)
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 garbage")
+    with pytest.raises(InputError, match="broken.parquet"):
+        run(job(tiny_model, tmp_path, str(tmp_path / "broken.parquet")), engine_factory=no_engine)
+    pq.write_table(pa.Table.from_pylist(docs(2)), tmp_path / "ok.parquet")
+    with pytest.raises(InputError, match="keep_columns: nope"):
+        run(job(tiny_model, tmp_path, str(tmp_path / "ok.parquet"), output={"keep_columns": ["nope"]}), engine_factory=no_engine)
+    from batchinfer.structured.base import GrammarError
+
+    with pytest.raises(GrammarError):
+        run(job(tiny_model, tmp_path, str(tmp_path / "ok.parquet"), structured={"regex": "(unclosed"}), engine_factory=no_engine)
+
+
+def test_memory_stays_bounded_for_input_far_larger_than_the_queue(tiny_model, tmp_path, engines):
+    pq.write_table(pa.Table.from_pylist(docs(240)), tmp_path / "big.parquet")
+    stats = {"pulled": 0, "done": 0, "max_ahead": 0}
+
+    class Counting:
+        def __init__(self, engine):
+            self.engine, self.tokenizer, self.model_info, self.max_model_len = engine, engine.tokenizer, engine.model_info, engine.max_model_len
+
+        def generate(self, requests):
+            def counted():
+                for r in requests:
+                    stats["pulled"] += 1
+                    yield r
+
+            for res in self.engine.generate(counted()):
+                stats["done"] += 1
+                stats["max_ahead"] = max(stats["max_ahead"], stats["pulled"] - stats["done"])
+                yield res
+
+    j = job(tiny_model, tmp_path, str(tmp_path / "big.parquet"), sampling={"max_tokens": 1}, input={"batch_size": 16}, output={"rows_per_part": 50})
+    s = run(j, engine_factory=lambda spec, on_step=None: Counting(engines(spec)))
+    assert s.this_run_rows == 240 and stats["done"] == 240
+    assert stats["max_ahead"] <= 3 * 8 + 1, stats  # engine queue (2 x max_num_seqs) + running, not the input
+
+
+def test_json_schema_job_has_a_typed_output_column(tiny_model, tmp_path, engines):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    pq.write_table(pa.Table.from_pylist(docs(6)), tmp_path / "in.parquet")
+    j = job(tiny_model, tmp_path, str(tmp_path / "in.parquet"), structured={"json_schema": str(tmp_path / "schema.json")}, sampling={"max_tokens": 24})
+    run(j, engine_factory=engines)
+    df = read_out(tmp_path)
+    assert df.schema["output"] == pl.Struct({"ok": pl.Boolean})
+    import jsonschema
+
+    for text, reason, out, err in df.select("output_text", "finish_reason", "output", "error").iter_rows():
+        if err is None:
+            jsonschema.validate(json.loads(text), schema)
+            assert out == json.loads(text)
+        else:
+            assert out is None and reason in ("length", "error")
+    assert df["error"].null_count() >= 1
+
+
+def test_choice_job(tiny_model, tmp_path, engines):
+    pq.write_table(pa.Table.from_pylist(docs(4)), tmp_path / "in.parquet")
+    run(job(tiny_model, tmp_path, str(tmp_path / "in.parquet"), structured={"choice": ["yes", "no"]}, sampling={"max_tokens": 4}), engine_factory=engines)
+    df = read_out(tmp_path)
+    assert "output" not in df.columns
+    assert set(df.filter(pl.col("error").is_null())["output_text"].to_list()) <= {"yes", "no"}

@@ -40,7 +40,7 @@ class ModelSpec(BaseModel):
     """The model: a Hugging Face folder (relative to the job file) or a hub id in the local cache."""
 
     model_config = _STRICT
-    path: str = Field(description="HF model folder or a hub id already in the local HF cache")
+    path: str = Field(description="HF model folder (relative to the job file) or a hub id already in the local HF cache")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output; default: the model's")
 
@@ -48,9 +48,9 @@ class ModelSpec(BaseModel):
     @classmethod
     def _path(cls, v: str, info: ValidationInfo) -> str:
         base = (info.context or {}).get("base_dir")
-        if base is not None and not Path(v).is_absolute() and (Path(base) / v).exists():
+        if base is not None and not Path(v).is_absolute() and (v.startswith(".") or (Path(base) / v).exists()):
             return str((Path(base) / v).resolve())
-        return v  # a hub id, or a folder that does not exist (validate says so)
+        return v  # a hub id (`org/name`)
 
 
 class InputSpec(BaseModel):
@@ -227,16 +227,20 @@ def write_json_schema(path: Path = SCHEMA_PATH) -> None:
 
 
 def parse_set(assignments: list[str] | tuple[str, ...]) -> list[tuple[list[str], Any]]:
-    """Parse `key.path=value` overrides; values are YAML scalars (`8` is an int, `[a, b]` a list)."""
+    """Parse `key.path=value` overrides; values are YAML (`8` is an int, `[a, b]` a list); text that is
+    not valid YAML, or starts like a Jinja template, is taken as a string."""
     out = []
     for a in assignments:
         key, sep, raw = a.partition("=")
         if not sep or not key.strip():
             raise JobError(f"--set {a!r}: expected key.path=value")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as e:
-            raise JobError(f"--set {a!r}: value is not valid YAML: {e}") from None
+        if raw.lstrip().startswith(("{{", "{%")):  # a Jinja template, not a YAML mapping
+            value: Any = raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else ""
+            except yaml.YAMLError:
+                value = raw  # not YAML: take the text as it is
         out.append(([p for p in key.strip().split(".")], value))
     return out
 

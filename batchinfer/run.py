@@ -176,6 +176,9 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     model_dir = resolve_model(spec)
     files = list_input_files(spec.input.path, spec.input.format)
     ids = check_ids(files, spec.input.id_column)
+    key_types = _key_types(spec, files)
+    if spec.structured is not None:
+        check_schema(spec, model_dir)
     components = fingerprint_components(spec, model_dir)
     fp = mf.fingerprint_of(components)
     hashes = mf.component_hashes(components)
@@ -189,6 +192,8 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     if removed:
         log.info("removed %d unfinished temp file(s) from %s", removed, out)
     manifest = mf.Manifest.load(out)
+    if manifest is not None and manifest.fingerprint != fp and not manifest.parts and not mf.part_files(out):
+        manifest = None  # an earlier attempt that committed nothing: no output to protect
     if manifest is not None and manifest.fingerprint != fp:
         changed = [k for k in hashes if manifest.components.get(k) != hashes[k]]
         raise JobError(
@@ -210,7 +215,6 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
             log.warning("deleted %d part file(s) not written by this job", deleted)
     if recovered:
         log.info("recovered %d committed part(s) missing from the manifest", recovered)
-    key_types = _key_types(spec, files)
     if manifest.parts:
         schema = existing_schema(out, manifest.parts[0].name)
         key_types = {n: schema.field(n).type if n in schema.names else t for n, t in key_types.items()}
@@ -449,8 +453,6 @@ def run(
         return s
     log.info("%d of %d rows to do (%d already in %s)", pending, plan.ids.num_rows, plan.ids.num_rows - pending, out)
     constraint = spec.structured.constraint() if spec.structured else None
-    if constraint is not None:
-        check_schema(spec, plan.model_dir)
     engine = engine_factory(spec, on_step=on_step)
     max_len = getattr(engine, "max_model_len", None) or spec.model.max_model_len or engine.model_info.max_position_embeddings
     builder = RequestBuilder(spec, engine.tokenizer, max_len, constraint)
@@ -473,7 +475,11 @@ def run(
     tmp_rejects = out / f"{mf.TMP_PREFIX}{mf.REJECTS}"
     try:
         with open(tmp_rejects, "w", encoding="utf-8") as rf:
-            execute(pending_rows(plan, needed), engine, builder, converter, writer, rf, stats, on_row, tick)
+            try:
+                execute(pending_rows(plan, needed), engine, builder, converter, writer, rf, stats, on_row, tick)
+            except BaseException:
+                writer.save_finished()
+                raise
             writer.close()
         tmp_rejects.replace(rejects_path)
     finally:

@@ -9,6 +9,16 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without CUDA, Triton kernels can only run in the interpreter, and Triton 3.9 fixes that choice when
+# it is first imported: set it before any test imports triton (batchinfer/kernels/interpreter.py).
+def _set_triton_interpreter_without_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_set_triton_interpreter_without_cuda()
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 

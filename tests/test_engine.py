@@ -83,13 +83,15 @@ def test_preemption_with_a_tiny_cache_matches_transformers(tiny_model):
     prompts = [rand_prompt(rng, n) for n in (20, 31, 12, 26)]
     max_new = 16
     # 14 blocks of 4 tokens = 56 tokens of KV for 4 sequences of up to 47 tokens each.
-    engine = make_engine(tiny_model, num_kv_blocks=14, block_size=4, max_num_batched_tokens=64)
+    stats = []
+    engine = make_engine(tiny_model, num_kv_blocks=14, block_size=4, max_num_batched_tokens=64, on_step=stats.append)
     engine.scheduler.config = replace(engine.scheduler.config, max_reserved_output=0)  # admit eagerly
     reqs = [
         Request(f"p{i}", p, SamplingParams(max_tokens=max_new, ignore_eos=True, **GREEDY)) for i, p in enumerate(prompts)
     ]
     results = {r.request_id: r for r in engine.generate(reqs)}
     assert sum(r.num_preemptions for r in results.values()) > 0, "the tiny cache never forced a preemption"
+    assert sum(s.num_preemptions for s in stats) == sum(r.num_preemptions for r in results.values())
     hf = load_hf(tiny_model)
     for i, p in enumerate(prompts):
         r = results[f"p{i}"]
@@ -125,6 +127,8 @@ def test_impossible_and_invalid_requests_give_error_results(tiny_model):
         Request("bad_id", [5, vocab + 3], SamplingParams(max_tokens=4)),
         Request("negative_id", [5, -1], SamplingParams(max_tokens=4)),
         Request("empty", [], SamplingParams(max_tokens=4)),
+        Request("not_ints", [5.5, 6], SamplingParams(max_tokens=4)),
+        Request("nested", [[5, 6]], SamplingParams(max_tokens=4)),
     ]
     results = {r.request_id: r for r in engine.generate(reqs)}
     assert results["ok"].finish_reason in ("stop", "length") and results["ok"].error is None
@@ -134,6 +138,8 @@ def test_impossible_and_invalid_requests_give_error_results(tiny_model):
         ("bad_id", "vocabulary"),
         ("negative_id", "vocabulary"),
         ("empty", "empty"),
+        ("not_ints", "integer token ids"),
+        ("nested", "integer token ids"),
     ]:
         r = results[rid]
         assert r.finish_reason == "error" and needle in r.error and rid in r.error
@@ -154,6 +160,11 @@ def test_lazy_pulling_from_an_infinite_stream(tiny_model):
     assert len(pulled) <= 6 + 2 + 2 * 2 + 1  # finished + running + waiting (+ one being added)
     # Stopping early frees everything; the engine is reusable.
     assert engine.allocator.num_free == 256 and not engine.scheduler.running and not engine.scheduler.waiting
+    first = engine.generate([Request("y", [5, 6], SamplingParams(max_tokens=2))])
+    next(first)
+    with pytest.raises(RuntimeError, match="already running"):
+        next(engine.generate([]))
+    first.close()
     again = list(engine.generate([Request("x", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))]))
     assert [r.completion_tokens for r in again] == [2]
 
@@ -230,3 +241,54 @@ def test_max_tokens_respected(tiny_model, max_tokens):
     engine = make_engine(tiny_model)
     (r,) = engine.generate([Request("m", [5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=True))])
     assert r.completion_tokens == max_tokens == len(r.output_token_ids) and r.finish_reason == "length"
+
+
+def test_kv_cache_sized_from_the_cpu_budget(tiny_model):
+    from batchinfer.engine.kv_cache import kv_block_bytes
+
+    engine = make_engine(tiny_model, num_kv_blocks=None, kv_cache_gib=0.001, block_size=8)
+    i = engine.model_info
+    per_block = kv_block_bytes(i.num_layers, 8, i.num_kv_heads, i.head_dim, i.dtype)
+    assert engine.runner.num_blocks == int(0.001 * (1 << 30)) // per_block == engine.allocator.num_blocks
+    k, v = engine.runner.kv_caches[0]
+    assert k.shape == (engine.runner.num_blocks, 8, i.num_kv_heads, i.head_dim) and len(engine.runner.kv_caches) == i.num_layers
+    # A large budget is capped at what max_num_seqs sequences of max_model_len can use.
+    capped = make_engine(tiny_model, num_kv_blocks=None, kv_cache_gib=64.0, max_num_seqs=2, max_model_len=64)
+    assert capped.runner.num_blocks == 2 * 64 // 8
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, max_num_seqs=3),
+        dict(num_kv_blocks=40, block_size=2, max_num_batched_tokens=50, max_num_seqs=6, enable_prefix_sharing=False),
+        dict(num_kv_blocks=12, block_size=8, max_num_batched_tokens=16, max_num_seqs=4),
+    ],
+)
+def test_outputs_do_not_depend_on_cache_budget_or_batching(tiny_model, config):
+    """A roomy engine and a cramped one (chunking, preemption, sharing or not) give the same tokens."""
+    rng = random.Random(4)
+    prefix = rand_prompt(rng, 16)
+    prompts = [rand_prompt(rng, rng.randint(1, 30)) for _ in range(5)] + [prefix + rand_prompt(rng, k) for k in (0, 3, 9)]
+    params = [
+        SamplingParams(max_tokens=rng.randint(1, 14), temperature=rng.choice([0.0, 0.7]), seed=i, ignore_eos=i % 2 == 0)
+        for i in range(len(prompts))
+    ]
+    reqs = [Request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    roomy = {r.request_id: r for r in make_engine(tiny_model, num_kv_blocks=400).generate(reqs)}
+    cramped_engine = make_engine(tiny_model, **config)
+    cramped_engine.scheduler.config = replace(cramped_engine.scheduler.config, max_reserved_output=1)
+    cramped = list(cramped_engine.generate(reqs))
+    assert sorted(r.request_id for r in cramped) == sorted(roomy)
+    for r in cramped:
+        assert r.output_token_ids == roomy[r.request_id].output_token_ids, r.request_id
+        assert r.finish_reason == roomy[r.request_id].finish_reason
+    cramped_engine.allocator.check()
+    assert cramped_engine.allocator.num_used == 0
+
+
+def test_profile_step_runs_the_largest_step(tiny_model):
+    """The GPU sizing forward (device-agnostic part) builds a valid max-size batch."""
+    engine = make_engine(tiny_model, max_num_batched_tokens=45, max_model_len=32, max_num_seqs=5)
+    tokens = engine.runner.profile_step()
+    assert tokens.shape == (5,) and int(tokens.max()) < engine.model_info.vocab_size

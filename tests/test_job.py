@@ -66,8 +66,10 @@ def test_engine_fields_are_checked(tmp_path):
 def test_set_overrides_parse_yaml_scalars(tmp_path):
     spec = load_job(
         write_job(tmp_path, BASE),
-        ["output.path=/data/out/2024-01-02", "engine.max_num_seqs=8", "sampling.stop=[END, STOP]", "model.dtype=float32"],
+        ["output.path=/data/out/2024-01-02", "engine.max_num_seqs=8", "sampling.stop=[END, STOP]", "model.dtype=float32",
+         "prompt.template={{ text }}: go", "prompt.system=a: b: c"],
     )
+    assert spec.prompt.template == "{{ text }}: go" and spec.prompt.system == "a: b: c"
     assert spec.output.path == "/data/out/2024-01-02"
     assert spec.engine.max_num_seqs == 8
     assert spec.sampling.stop == ("END", "STOP")

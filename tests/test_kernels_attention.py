@@ -3,46 +3,24 @@ Triton interpreter, against the PyTorch references and the torch attention backe
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-KERNEL_MODULES = ("cache", "decode_attention", "extend_attention")
+from batchinfer.kernels.interpreter import ensure_interpreter
 
+if not ensure_interpreter():
+    pytest.skip(
+        "Triton was imported for the GPU in this process; the interpreter tests need a process of their own "
+        "(on a GPU machine the kernels are checked by tests/test_kernels_gpu.py)",
+        allow_module_level=True,
+    )
 
-def load_interpreted_kernels() -> dict:
-    """(Re-)import the kernel modules with TRITON_INTERPRET=1 (read when a kernel is decorated);
-    the `interpreter` fixture keeps it set while this module's tests run."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        mods = {}
-        for name in KERNEL_MODULES:
-            full = f"batchinfer.kernels.{name}"
-            mods[name] = importlib.reload(sys.modules[full]) if full in sys.modules else importlib.import_module(full)
-        return mods
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-K = load_interpreted_kernels()
 from batchinfer.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from batchinfer.kernels import reference  # noqa: E402
+from batchinfer.kernels import cache, decode_attention, extend_attention, reference  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
+K = {"cache": cache, "decode_attention": decode_attention, "extend_attention": extend_attention}
 
 
 DTYPES = [torch.float32, torch.float16]

@@ -99,6 +99,9 @@ def test_cache_tensors_are_views_of_one_allocation():
     assert k0.shape == (5, 4, 2, 8) and v0.shape == (5, 4, 2, 8)
     base = k0.untyped_storage().data_ptr()
     assert all(k.untyped_storage().data_ptr() == base and v.untyped_storage().data_ptr() == base for k, v in caches)
+    for k, v in caches:
+        k.zero_()
+        v.zero_()
     k0[1, 2].fill_(1.0)
-    assert caches[1][0].abs().sum() == 0 and v0.abs().sum() == 0
+    assert caches[1][0].abs().sum() == 0 and v0.abs().sum() == 0 and k0.sum() == 2 * 8
     assert kv_block_bytes(3, 4, 2, 8, torch.float32) == 2 * 3 * 4 * 2 * 8 * 4

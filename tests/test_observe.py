@@ -196,7 +196,7 @@ def test_resume_after_crash_counts_each_row_once(tmp_path):
     assert 12 < recorded <= 20  # the dead run left rows that are not in the output
     # run 2 (resume) does the rest again
     left = [i for i in ids if i not in {r.request_id for r in done[:12]}]  # type: ignore[union-attr]
-    obs2 = Observer(ObserveOptions(out_dir=out))
+    obs2 = Observer(ObserveOptions(out_dir=out, flush_rows=3))
     sim2 = simulate(len(left), start=obs2.t0, ids=left, seed=1, error_every=0)
     feed(obs2, sim2.events)
     commit_part(out, manifest, [ev[1] for k, ev in sim2.events if k == "result"])  # type: ignore[misc]
@@ -209,6 +209,9 @@ def test_resume_after_crash_counts_each_row_once(tmp_path):
     assert report["totals"]["completion_tokens"] == expect
     steps = pl.read_parquet(part_paths(out / STEPS_DIR))
     assert steps.get_column("run_id").n_unique() == 2
+    for folder in (STEPS_DIR, ROWS_DIR):  # close() merged run 2's small parts into one
+        assert len([p for p in part_paths(out / folder) if obs2.run_id in p]) == 1
+    assert steps.filter(pl.col("run_id") == obs2.run_id).height == sum(k == "step" for k, _ in sim2.events)
 
 
 def test_report_without_manifest_and_missing_folder(tmp_path):
@@ -306,9 +309,8 @@ def test_two_observers_have_separate_registries(tmp_path):
 
 
 def test_bad_metrics_textfile_folder_is_named(tmp_path):
-    obs = Observer(ObserveOptions(out_dir=tmp_path / "o", metrics_textfile=tmp_path / "no" / "m.prom", report=False))
-    with pytest.raises(FileNotFoundError, match="--metrics-textfile"):
-        obs.close()
+    with pytest.raises(FileNotFoundError, match="--metrics-textfile .*m.prom: folder .*no does not exist"):
+        Observer(ObserveOptions(out_dir=tmp_path / "o", metrics_textfile=tmp_path / "no" / "m.prom"))
 
 
 def test_token_ids_decode_back_to_prompts(tmp_path):
@@ -366,3 +368,78 @@ def test_options_are_checked():
         ObserveOptions(out_dir=Path("x"), metrics_port=70000)
     with pytest.raises(ValueError, match="num_steps"):
         TraceConfig(Path("x"), num_steps=0)
+
+
+@dataclass(frozen=True)
+class DriverRecord:
+    """The shape of run.RowRecord, with the `error` and `result` fields the wiring adds."""
+
+    row_id: object
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    times: object = None
+    num_preemptions: int = 0
+    error: str | None = None
+    result: Result | None = None
+
+
+def test_driver_row_records_count_errors_as_the_output_does(tmp_path):
+    out = tmp_path / "o"
+    obs = Observer(ObserveOptions(out_dir=out, log_token_ids=True))
+    t = RequestTimes(obs.t0, obs.t0 + 0.1, obs.t0 + 0.2, obs.t0 + 0.5)
+    ok = Result("0", [5, 6, 7], [8, 9], "ab", "stop", 3, 2, times=t)
+    cut = Result("1", [5, 6], [1, 2, 3], "{\"a", "length", 2, 3, times=t)
+    records = [
+        DriverRecord(10, "stop", 3, 2, t, 0, None, ok),
+        DriverRecord(11, "length", 2, 3, t, 1, "output cut at max_tokens (3 tokens) before it matched: x", cut),
+        DriverRecord(12, "error", 0, 0),  # the template failed: never reached the engine
+    ]
+    for r in records:
+        obs.on_row(r)
+    out_rows = [(str(r.row_id), r.error if r.finish_reason != "error" else "template: bad") for r in records]
+    pq.write_table(pa.table({"id": [i for i, _ in out_rows], "error": [e for _, e in out_rows]}),
+                   str(out / "part-000000.parquet"))
+    Manifest(out, "fp", id_column="id", parts=[PartInfo("part-000000.parquet", 3, 2)]).save()
+    report = obs.close()
+    assert report is not None
+    assert report["totals"]["errors"] == 2 and report["output"]["matches_records"]
+    assert report["totals"]["finish_reasons"] == {"error": 1, "length": 1, "stop": 1}
+    assert set(report["errors_by_kind"]) == {"output cut at max_tokens (3 tokens) before it matched", "unknown"}
+    assert report["totals"]["row_preemptions"] == 1
+    assert report["latency_s"]["row"]["count"] == 2
+    assert sorted(read_token_ids(out).get_column("id").to_list()) == ["10", "11"]
+    assert row_metrics(records[0]) == pytest.approx({"queue_wait_s": 0.1, "ttft_s": 0.2, "decode_s": 0.3})
+
+
+def test_driver_row_record_type_is_accepted(tmp_path):
+    run_mod = pytest.importorskip("batchinfer.run")
+    rec = run_mod.RowRecord("x", "stop", 4, 2, RequestTimes(1.0, 1.0, 1.5, 2.0), 0)
+    obs = Observer(ObserveOptions(out_dir=tmp_path / "o", metrics_textfile=tmp_path / "m.prom"))
+    obs.on_row(rec)
+    report = obs.close()
+    assert report is not None and report["totals"]["rows"] == 1 and report["totals"]["completion_tokens"] == 2
+    assert 'batchinfer_rows_total{finish_reason="stop"} 1.0' in (tmp_path / "m.prom").read_text()
+
+
+def test_fresh_output_folder_drops_old_records(tmp_path):
+    out = tmp_path / "o"
+    with Observer(ObserveOptions(out_dir=out, log_token_ids=True)) as obs:
+        feed(obs, simulate(6, start=obs.t0, error_every=0).events)
+    assert (out / "_token_ids").is_dir()
+    with Observer(ObserveOptions(out_dir=out)) as obs:  # no committed part: a new job (e.g. --overwrite)
+        feed(obs, simulate(2, start=obs.t0, error_every=0, ids=["new0", "new1"]).events)
+    report = json.loads((out / REPORT_JSON).read_text())
+    assert report["totals"]["rows"] == 2 and report["totals"]["runs"] == 1
+    assert not (out / "_token_ids").exists()
+
+
+def test_busy_metrics_port_is_named(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=f"--metrics-port {port}"):
+            Observer(ObserveOptions(out_dir=tmp_path / "o", metrics_port=port))

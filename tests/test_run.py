@@ -59,22 +59,22 @@ def read_out(tmp: Path) -> pl.DataFrame:
 def test_parquet_shards_glob_exactly_once(tiny_model, tmp_path, engines):
     (tmp_path / "in").mkdir()
     for s in range(3):
-        pq.write_table(pa.Table.from_pylist(docs(10, 10 * s)), tmp_path / "in" / f"shard-{s}.parquet")
+        pq.write_table(pa.Table.from_pylist(docs(5, 5 * s)), tmp_path / "in" / f"shard-{s}.parquet")
     seen = []
     summary = batchinfer.run(job(tiny_model, tmp_path, str(tmp_path / "in" / "shard-*.parquet")), engine_factory=engines, on_row=seen.append)
     df = read_out(tmp_path)
-    assert sorted(df["doc_id"].to_list()) == list(range(30)) and len(seen) == 30
+    assert sorted(df["doc_id"].to_list()) == list(range(15)) and len(seen) == 15
     assert df.schema["doc_id"] == pl.Int64 and df["title"].to_list() == [f"T{i}" for i in df["doc_id"].to_list()]
-    assert set(df["finish_reason"].to_list()) <= {"stop", "length"} and df["error"].null_count() == 30
+    assert set(df["finish_reason"].to_list()) <= {"stop", "length"} and df["error"].null_count() == 15
     assert (df["completion_tokens"] <= 4).all() and (df["prompt_tokens"] > 0).all()
-    assert summary.this_run_rows == 30 and summary.error_rate == 0.0 and summary.rows_done == 30
-    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["rows"] == 30
+    assert summary.this_run_rows == 15 and summary.error_rate == 0.0 and summary.rows_done == 15
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["rows"] == 15
     again = run(job(tiny_model, tmp_path, str(tmp_path / "in")), engine_factory=engines)
     assert again.nothing_to_do and "nothing to do" in again.describe()
     # new shards arrive: only they are done
-    pq.write_table(pa.Table.from_pylist(docs(5, 30)), tmp_path / "in" / "shard-3.parquet")
+    pq.write_table(pa.Table.from_pylist(docs(3, 15)), tmp_path / "in" / "shard-3.parquet")
     more = run(job(tiny_model, tmp_path, str(tmp_path / "in")), engine_factory=engines)
-    assert more.this_run_rows == 5 and sorted(read_out(tmp_path)["doc_id"].to_list()) == list(range(35))
+    assert more.this_run_rows == 3 and sorted(read_out(tmp_path)["doc_id"].to_list()) == list(range(18))
 
 
 def test_jsonl_bad_rows_and_rejects(tiny_model, tmp_path, engines):
@@ -125,16 +125,16 @@ class FailingEngine:
 
 
 def test_crash_then_resume_does_only_missing_rows(tiny_model, tmp_path, engines):
-    pq.write_table(pa.Table.from_pylist(docs(40)), tmp_path / "in.parquet")
-    j = job(tiny_model, tmp_path, str(tmp_path / "in.parquet"))
+    pq.write_table(pa.Table.from_pylist(docs(20)), tmp_path / "in.parquet")
+    j = job(tiny_model, tmp_path, str(tmp_path / "in.parquet"), output={"rows_per_part": 4})
     with pytest.raises(RuntimeError, match="device lost"):
-        run(j, engine_factory=lambda spec, on_step=None: FailingEngine(engines(spec), 23))
+        run(j, engine_factory=lambda spec, on_step=None: FailingEngine(engines(spec), 11))
     committed = read_out(tmp_path).height
-    assert committed == 21  # three parts of 7; the two buffered rows are lost, not half-written
+    assert committed == 11  # the rows that finished before the crash are saved
     s = run(j, engine_factory=engines)
-    assert s.this_run_rows == 40 - committed
+    assert s.this_run_rows == 20 - committed
     ids = read_out(tmp_path)["doc_id"]
-    assert ids.n_unique() == ids.len() == 40
+    assert ids.n_unique() == ids.len() == 20
 
 
 def test_changed_job_is_refused_unless_overwrite(tiny_model, tmp_path, engines):
@@ -173,7 +173,7 @@ def test_whole_job_problems_are_refused_before_the_engine(tiny_model, tmp_path):
 
 
 def test_memory_stays_bounded_for_input_far_larger_than_the_queue(tiny_model, tmp_path, engines):
-    pq.write_table(pa.Table.from_pylist(docs(240)), tmp_path / "big.parquet")
+    pq.write_table(pa.Table.from_pylist(docs(120)), tmp_path / "big.parquet")
     stats = {"pulled": 0, "done": 0, "max_ahead": 0}
 
     class Counting:
@@ -193,7 +193,7 @@ def test_memory_stays_bounded_for_input_far_larger_than_the_queue(tiny_model, tm
 
     j = job(tiny_model, tmp_path, str(tmp_path / "big.parquet"), sampling={"max_tokens": 1}, input={"batch_size": 16}, output={"rows_per_part": 50})
     s = run(j, engine_factory=lambda spec, on_step=None: Counting(engines(spec)))
-    assert s.this_run_rows == 240 and stats["done"] == 240
+    assert s.this_run_rows == 120 and stats["done"] == 120
     assert stats["max_ahead"] <= 3 * 8 + 1, stats  # engine queue (2 x max_num_seqs) + running, not the input
 
 
@@ -222,3 +222,28 @@ def test_choice_job(tiny_model, tmp_path, engines):
     df = read_out(tmp_path)
     assert "output" not in df.columns
     assert set(df.filter(pl.col("error").is_null())["output_text"].to_list()) <= {"yes", "no"}
+
+
+def test_part_renamed_but_not_in_the_manifest_is_recovered_not_duplicated(tiny_model, tmp_path, engines, monkeypatch):
+    from batchinfer.io import manifest as mf
+
+    pq.write_table(pa.Table.from_pylist(docs(12)), tmp_path / "in.parquet")
+    j = job(tiny_model, tmp_path, str(tmp_path / "in.parquet"), output={"rows_per_part": 4})
+    real_add = mf.Manifest.add_part
+    calls = {"n": 0}
+
+    def crash_on_second(self, part):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the part file is already renamed into place: "kill" before the manifest write
+            raise KeyboardInterrupt("killed")
+        real_add(self, part)
+
+    monkeypatch.setattr(mf.Manifest, "add_part", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        run(j, engine_factory=engines)
+    monkeypatch.setattr(mf.Manifest, "add_part", real_add)
+    assert len(mf.part_files(tmp_path / "out")) == 2 and len(mf.Manifest.load(tmp_path / "out").parts) == 1
+    s = run(j, engine_factory=engines)
+    assert s.recovered_parts == 1 and s.this_run_rows == 4
+    ids = read_out(tmp_path)["doc_id"]
+    assert sorted(ids.to_list()) == list(range(12))

@@ -254,7 +254,7 @@ def test_auto_falls_back_when_a_backend_refuses(compilers):
         compilers["llguidance"].compile(c)
     g = compilers["auto"].compile(c)
     assert g.backend != "llguidance"
-    one_of = Constraint.json_schema({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 2}]})
+    one_of = Constraint.json_schema({"oneOf": [{"type": "string", "maxLength": 3}, {"type": "string", "minLength": 2}]})
     with pytest.raises(GrammarError, match="oneOf"):
         compilers["llguidance"].compile(one_of)
     assert compilers["auto"].compile(one_of).backend in ("xgrammar", "llguidance-relaxed")
@@ -345,3 +345,11 @@ def test_arrow_types():
     arr = pa.array([to_arrow_value(v, schema) for v in values], type=t)
     assert arr.to_pylist()[1] == {"items": [], "main": {"sku": "c", "qty": None}}
     assert to_arrow_value({"x": 1}, {"anyOf": [{"type": "integer"}, {"type": "object"}]}) == '{"x":1}'
+
+
+def test_property_order_is_the_schema_order(compilers):
+    schema = {"type": "object", "properties": {"reasoning": {"enum": ["r"]}, "answer": {"enum": ["a"]}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    c = Constraint.json_schema(schema)
+    text, _ = walk(compilers["auto"], compilers["auto"].compile(c), np.random.default_rng(0), cap=100)
+    assert text == '{"reasoning":"r","answer":"a"}'

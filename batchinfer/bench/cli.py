@@ -13,6 +13,11 @@ import typer
 bench_app = typer.Typer(help="Benchmarks: grammar backends (MaskBench), throughput.", no_args_is_help=True)
 
 
+@bench_app.callback()
+def bench() -> None:
+    """Benchmarks: grammar backends (MaskBench), throughput."""
+
+
 @bench_app.command("grammar")
 def grammar(
     paths: list[Path] = typer.Argument(..., help="MaskBench .json files or folders of them."),

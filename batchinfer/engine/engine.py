@@ -52,6 +52,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self._num_steps = 0
+        self._generating = False
         self._compiler = None
         self._grammars: dict[Constraint, object] = {}  # compiled grammar, or the GrammarError message
 
@@ -59,6 +60,9 @@ class Engine:
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Yield one Result per request, in finish order, pulling requests only as they are needed."""
+        if self._generating:
+            raise RuntimeError("Engine.generate is already running; finish or close that iterator first")
+        self._generating = True
         source = iter(requests)
         exhausted = False
         max_waiting = 2 * self.config.max_num_seqs
@@ -80,6 +84,7 @@ class Engine:
                 yield from self._step()
         finally:
             self._abort_all()
+            self._generating = False
 
     # --- arrival ----------------------------------------------------------------------------
 
@@ -99,10 +104,17 @@ class Engine:
 
     def _validate(self, seq: Sequence) -> str | None:
         rid = seq.request.request_id
-        ids = np.asarray(seq.token_ids)
-        if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.runner.vocab_size):
-            bad = next(t for t in seq.token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.runner.vocab_size))
-            return f"request {rid}: prompt token id {bad!r} is not in the vocabulary [0, {self.runner.vocab_size})"
+        vocab = self.runner.vocab_size
+        try:
+            ids = np.asarray(seq.token_ids)
+        except (TypeError, ValueError) as exc:
+            return f"request {rid}: prompt_token_ids cannot be read as token ids: {exc}"
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            return f"request {rid}: prompt_token_ids must be a flat list of integer token ids, got {ids.dtype} of shape {ids.shape}"
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            bad = ids[(ids < 0) | (ids >= vocab)][0]
+            return f"request {rid}: prompt token id {int(bad)} is not in the vocabulary [0, {vocab})"
+        seq.token_ids = ids.tolist()  # plain Python ints, whatever sequence type the caller gave
         problem = self.scheduler.check(seq)
         if problem is not None:
             return f"request {rid}: {problem}"
@@ -144,10 +156,15 @@ class Engine:
             if seq.scheduled is None:
                 seq.scheduled = t0
         sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
-        bans = [self._bans(s) for s in sampling]
-        bitmask = self._bitmask(sampling)
-        t1 = time.perf_counter()
-        tokens = self.runner.execute(step.seqs, step.num_tokens, step.samples, bans, bitmask) if step.seqs else []
+        tokens: list[int] = []
+        t1 = t0
+        if step.seqs:
+            batch = self.runner.prepare(step.seqs, step.num_tokens, step.samples)
+            t1 = time.perf_counter()
+            hidden = self.runner.forward(batch)  # asynchronous on a GPU: masks are built meanwhile
+            bans = [self._bans(s) for s in sampling]
+            bitmask = self._bitmask(sampling)
+            tokens = self.runner.sample(hidden, sampling, bans, bitmask)
         self.scheduler.complete_step(step)
         now = time.perf_counter()
         finished = [seq for seq, token in zip(sampling, tokens) if self._append(seq, token, now)]
@@ -199,7 +216,7 @@ class Engine:
                 reason = reason or "stop"
         if seq.detokenizer is not None and not ends_by_id:
             new = seq.detokenizer.add(token)
-            if reason is None:
+            if reason is None and seq.num_generated >= p.min_tokens:  # as vLLM: not before min_tokens
                 cut = find_stop_string(seq.detokenizer.text, p.stop, len(new))
                 if cut is not None:
                     reason, text = "stop", seq.detokenizer.text[:cut]

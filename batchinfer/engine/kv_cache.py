@@ -120,8 +120,15 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One tensor [layers, 2, blocks, block_size, kv_heads, head_dim], viewed as (k, v) per layer."""
-    cache = torch.zeros(
-        (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-    )
+    """One tensor [layers, 2, blocks, block_size, kv_heads, head_dim], viewed as (k, v) per layer.
+
+    Zeroed on GPUs (cheap there; a kernel's masked lanes then never meet NaN garbage). On the CPU it
+    is left uninitialised so a large cache costs no time or resident memory until it is used: a slot
+    is only ever read after it was written.
+    """
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        cache = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

@@ -20,6 +20,7 @@ from batchinfer.attention import get_attention_backend
 from batchinfer.attention.base import AttentionMetadata
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.kv_cache import allocate_kv_cache, kv_block_bytes
+from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.sampler import ban_tokens_, make_sampling_batch, sample
 from batchinfer.engine.sequence import Sequence
 from batchinfer.models.loader import load_model
@@ -93,35 +94,32 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_free_bytes(self) -> int:
         """Run the largest step once; KV budget = free memory x fraction - the step's activation peak."""
-        num_tokens = self.config.max_num_batched_tokens
-        seq_len = min(num_tokens, self.max_model_len)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        blocks_per = [-(-n // self.block_size) for n in lens]
-        caches = self._allocate(sum(blocks_per))
-        tables, start = [], 0
-        for nb in blocks_per:
-            tables.append(list(range(start, start + nb)))
-            start += nb
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        batch = self._pack([0] * len(lens), lens, [[0] * n for n in lens], tables, [True] * len(lens))
-        hidden = self.model(batch.input_ids, batch.positions, caches, batch.meta)
-        rows = min(self.config.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
-        sample(logits, make_sampling_batch([self._profile_params()] * rows, [0] * rows, [0] * rows, self.device))
+        self.profile_step()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        del caches, hidden, logits, batch
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
         return max(0, int(free * self.config.kv_cache_memory_fraction) - peak)
 
-    @staticmethod
-    def _profile_params():
-        from batchinfer.engine.request import SamplingParams
-
-        return SamplingParams(temperature=1.0, top_p=0.9)
+    @torch.inference_mode()
+    def profile_step(self) -> torch.Tensor:
+        """The largest step the scheduler can build: max_num_batched_tokens of prefill (in sequences
+        of at most max_model_len) in a scratch cache, then logits and sampling for max_num_seqs rows.
+        Returns the sampled tokens (the memory it used is freed on return)."""
+        num_tokens = self.config.max_num_batched_tokens
+        seq_len = min(num_tokens, self.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        bounds = np.cumsum([0] + [-(-n // self.block_size) for n in lens]).tolist()
+        tables = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        caches = self._allocate(bounds[-1])
+        batch = self._pack([0] * len(lens), lens, [[0] * n for n in lens], tables, [True] * len(lens))
+        hidden = self.model(batch.input_ids, batch.positions, caches, batch.meta)
+        rows = min(self.config.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
+        return sample(logits, make_sampling_batch([SamplingParams(top_p=0.9)] * rows, [0] * rows, [0] * rows, self.device))
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -186,31 +184,35 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
     @torch.inference_mode()
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
-        if batch.meta.decode_only:
-            return self._forward_decode(batch)
+    def _forward_mixed(self, batch: StepBatch) -> torch.Tensor:
+        """Steps with prefill chunks (and maybe decodes): run eagerly."""
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
     @torch.inference_mode()
-    def execute(
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Run the model on a packed step; hidden states [num_sampling, H] of the rows that sample.
+
+        On a GPU this only launches work, so the caller can fill grammar bitmasks meanwhile.
+        """
+        hidden = self._forward_decode(batch) if batch.meta.decode_only else self._forward_mixed(batch)
+        return hidden.index_select(0, batch.sample_index)
+
+    @torch.inference_mode()
+    def sample(
         self,
-        seqs: Seq[Sequence],
-        num_tokens: Seq[int],
-        samples: Seq[bool],
+        hidden: torch.Tensor,
+        sampling: Seq[Sequence],
         bans: Seq[list[int]] | None = None,
         bitmask: torch.Tensor | None = None,
     ) -> list[int]:
-        """Run one step; return the sampled token of each sequence that samples (in step order).
+        """Logits of the sampling rows, bans, grammar mask, then one token per row (in order).
 
-        bans[i]: token ids forbidden for the i-th sampling sequence (min_tokens); bitmask: int32 CPU
-        [num_sampling, ceil(V/32)] from the grammar matchers (rows without a grammar all -1) or None.
+        bans[i]: token ids forbidden for sampling[i] (min_tokens); bitmask: int32 CPU
+        [len(sampling), ceil(V/32)] from the grammar matchers (rows without a grammar all -1) or None.
         """
-        batch = self.prepare(seqs, num_tokens, samples)
-        hidden = self._forward(batch)
-        sampling = [s for s, flag in zip(seqs, samples) if flag]
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_index))
+        logits = self.model.compute_logits(hidden)
         if bans:
             rows = [i for i, b in enumerate(bans) if b]
             if rows:
@@ -222,3 +224,9 @@ class ModelRunner:
         params = [s.request.sampling for s in sampling]
         sb = make_sampling_batch(params, [s.seed for s in sampling], [s.num_generated for s in sampling], self.device)
         return sample(logits, sb).tolist()
+
+    def execute(self, seqs: Seq[Sequence], num_tokens: Seq[int], samples: Seq[bool], bans=None, bitmask=None) -> list[int]:
+        """prepare + forward + sample in one call (tests, simple drivers)."""
+        batch = self.prepare(seqs, num_tokens, samples)
+        sampling = [s for s, flag in zip(seqs, samples) if flag]
+        return self.sample(self.forward(batch), sampling, bans, bitmask)

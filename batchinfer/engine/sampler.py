@@ -16,6 +16,10 @@ Filtering keeps, per row, every token whose scaled logit is at least a threshold
 When every sampled row has a top-k, filtering and noise run on the top max(k) candidates
 only (the noise is keyed by token id, so the draw is the same as on the full vocabulary,
 except for exact logit ties at the k-th value beyond the candidates).
+
+On CUDA, a batch with no top-k / top-p / min-p row (the common offline case) is drawn by one
+fused Triton kernel (kernels/sampling.py): the same noise, temperature and argmax, computed on the
+fly in a single read of the logits instead of ~25 passes of int64 temporaries over [B, V].
 """
 
 from __future__ import annotations
@@ -224,10 +228,30 @@ def _sample_full(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return scaled.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def uses_fused_kernel(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+    """Whether sample() draws with the fused Triton kernel: logits on CUDA, some row sampled,
+    and no row filtered (top-k / top-p / min-p need the whole row before the draw)."""
+    return (
+        logits.is_cuda
+        and not batch.all_greedy
+        and not (batch.any_top_k or batch.any_top_p or batch.any_min_p)
+    )
+
+
+def _sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    # Imported here: triton is a Linux-only dependency and CPU-only installs never need it.
+    from batchinfer.kernels.sampling import fused_sample
+
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return fused_sample(logits, batch.temperature, batch.seeds, batch.steps, batch.greedy)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, *, fused: bool = True) -> torch.Tensor:
     """Draw one token per row from float32 logits [B, V]; returns int64 [B] on the logits' device.
 
-    Greedy rows (temperature 0) take argmax of the raw logits (ties: lowest id).
+    Greedy rows (temperature 0) take argmax of the raw logits (ties: lowest id). `fused=False`
+    forces the torch path even where the fused kernel applies (both give the same tokens).
     """
     if logits.dim() != 2 or logits.shape[0] != batch.size:
         raise ValueError(f"logits must be [batch={batch.size}, vocab], got {tuple(logits.shape)}")
@@ -235,6 +259,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.float()
     if batch.all_greedy:
         return logits.argmax(dim=-1)
+    if fused and uses_fused_kernel(logits, batch):
+        return _sample_fused(logits, batch)
     if batch.all_top_k:
         sampled = _sample_candidates(logits, batch)
     else:

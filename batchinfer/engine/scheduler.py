@@ -171,6 +171,8 @@ class Scheduler:
         seq.num_registered_blocks = 0
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
+        if not self.waiting:
+            return
         outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]

@@ -64,6 +64,7 @@ class PartWriter:
         self._next = next_part_number(self.folder)
         self.rows_written = 0
         self.errors_written = 0
+        self.broken = False  # a flush failed part-way: do not try again in this process
 
     def add(self, row: dict[str, Any]) -> None:
         if not self._buffer:
@@ -119,6 +120,7 @@ class PartWriter:
         """Commit the buffered rows as one part (temp name, fsync, rename, manifest)."""
         if not self._buffer:
             return
+        self.broken = True
         table = self._table(self._buffer)
         meta = dict(table.schema.metadata or {})
         meta[FINGERPRINT_KEY] = self.manifest.fingerprint.encode()
@@ -139,6 +141,16 @@ class PartWriter:
         self.errors_written += errors
         self._buffer = []
         self._started = None
+        self.broken = False
+
+    def save_finished(self) -> None:
+        """After a failure elsewhere: commit the rows that did finish (best effort), so a resume skips them."""
+        if self.broken:
+            return
+        try:
+            self.flush()
+        except Exception as e:  # the original failure matters more
+            log.warning("could not save %d finished rows: %s", len(self._buffer), e)
 
     def close(self) -> None:
         self.flush()

@@ -7,9 +7,9 @@ Entry points for the driver and CLI:
   read_token_ids(out_dir)        the `--log-token-ids` sidecar as a polars frame
 """
 
-from batchinfer.observe.observer import ObserveOptions, Observer
+from batchinfer.observe.observer import ObserveOptions, Observer, clear_records
 from batchinfer.observe.records import row_metrics
 from batchinfer.observe.report import report_command, write_report
 from batchinfer.observe.tokenlog import read_token_ids
 
-__all__ = ["ObserveOptions", "Observer", "read_token_ids", "report_command", "row_metrics", "write_report"]
+__all__ = ["ObserveOptions", "clear_records", "Observer", "read_token_ids", "report_command", "row_metrics", "write_report"]

@@ -13,9 +13,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from batchinfer.engine.request import Result
 from batchinfer.engine.stats import StepStats
-from batchinfer.observe.records import row_metrics
+from batchinfer.observe.records import RowOutcome, row_metrics
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +24,7 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 
 
 
 class Metrics:
-    """The run's counters, gauges and histograms; fed by on_step / on_result."""
+    """The run's counters, gauges and histograms; fed by on_step / on_row."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -69,14 +68,14 @@ class Metrics:
         self.kv_free.set(stats.kv_blocks_free)
         self.step_time.observe(stats.step_ms / 1000.0)
 
-    def on_result(self, result: Result) -> None:
-        self.rows.labels(finish_reason=result.finish_reason).inc()
-        self.tokens.labels(kind="prompt").inc(result.prompt_tokens)
-        self.tokens.labels(kind="completion").inc(result.completion_tokens)
-        m = row_metrics(result)
+    def on_row(self, row: RowOutcome) -> None:
+        self.rows.labels(finish_reason=row.finish_reason).inc()
+        self.tokens.labels(kind="prompt").inc(row.prompt_tokens)
+        self.tokens.labels(kind="completion").inc(row.completion_tokens)
+        m = row_metrics(row)
         if m["ttft_s"] is not None:
             self.ttft.observe(m["ttft_s"])
-        t = result.times
+        t = row.times
         if t is not None and t.finished is not None:
             self.latency.observe(max(0.0, t.finished - t.arrived))
 

@@ -5,10 +5,11 @@ It fans each event out to the parts that are on:
   options  live Prometheus metrics on a port and/or a textfile (metrics.py), the token-id sidecar
            (tokenlog.py), a profiler trace of a few steps (trace.py).
 
-Driver use:
+Driver use (make the Observer after the output folder is planned, i.e. after --overwrite cleared it:
+an output folder with no committed part gets its old records removed, a resumed one keeps them):
     obs = Observer(ObserveOptions(out_dir=..., metrics_port=..., ...))
     engine = Engine(config, on_step=obs.on_step)
-    for result in engine.generate(requests): ...; obs.on_result(row_id, result)
+    for result in engine.generate(requests): ...; obs.on_result(row_id, result)   # or obs.on_row(record)
     report = obs.close({"config": resolved_job, "fingerprint": fp})
 A failing observer part must never lose rows: close() tries every part and logs what failed.
 """
@@ -16,6 +17,7 @@ A failing observer part must never lose rows: close() tries every part and logs 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Any
 
 from batchinfer.engine.request import Result
 from batchinfer.engine.stats import StepStats
+from batchinfer.io.manifest import MANIFEST, Manifest, part_files
 from batchinfer.observe.metrics import Metrics
 from batchinfer.observe.records import (
     ROW_SCHEMA,
@@ -30,13 +33,14 @@ from batchinfer.observe.records import (
     STEP_SCHEMA,
     STEPS_DIR,
     PartSink,
+    RowOutcome,
     SinkConfig,
     new_run_id,
     row_record,
     step_record,
 )
-from batchinfer.observe.report import summary_text, write_report
-from batchinfer.observe.tokenlog import TokenLog
+from batchinfer.observe.report import REPORT_HTML, REPORT_JSON, summary_text, write_report
+from batchinfer.observe.tokenlog import TOKEN_IDS_DIR, TokenLog
 from batchinfer.observe.trace import StepTracer, TraceConfig
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,7 @@ class ObserveOptions:
     trace_num_steps: int = 3
     report: bool = True
     flush_rows: int = 10_000
-    flush_s: float = 30.0
+    flush_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -80,6 +84,11 @@ class Observer:
         self.options = options
         self.out_dir = Path(options.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        tf = options.metrics_textfile
+        if tf is not None and not Path(tf).parent.is_dir():  # say so now, not at the end of a long run
+            raise FileNotFoundError(f"--metrics-textfile {tf}: folder {Path(tf).parent} does not exist")
+        if not _has_committed_parts(self.out_dir):
+            clear_records(self.out_dir)  # a fresh job (or --overwrite): old records describe other rows
         self.run_id = new_run_id()
         self.t0 = time.perf_counter()
         o = options
@@ -105,13 +114,24 @@ class Observer:
         if self.tracer is not None:
             self.tracer.on_step(stats)
 
-    def on_result(self, row_id: Any, result: Result) -> None:
-        """Called once per finished row (with the row's id from the input)."""
-        self._rows.add(row_record(self.run_id, row_id, result, self.t0))
+    def on_result(self, row_id: Any, result: Result, finish_reason: str | None = None,
+                  error: str | None = None) -> None:
+        """One finished row, from the engine's Result (finish_reason / error: the output row's, when the
+        driver changed them, e.g. an answer that fails its schema)."""
+        self._row(RowOutcome.of_result(row_id, result, finish_reason, error), result)
+
+    def on_row(self, record: Any) -> None:
+        """One finished row, from the driver's run.RowRecord (row_id, finish_reason, prompt_tokens,
+        completion_tokens, times, num_preemptions; and `error`, `result` when it has them). Rows that
+        failed before the engine (no `result`) are counted but have no token ids to log."""
+        self._row(RowOutcome.of_record(record), getattr(record, "result", None))
+
+    def _row(self, row: RowOutcome, result: Result | None) -> None:
+        self._rows.add(row_record(self.run_id, row, self.t0))
         if self.metrics is not None:
-            self.metrics.on_result(result)
-        if self.token_log is not None:
-            self.token_log.add(row_id, result)
+            self.metrics.on_row(row)
+        if self.token_log is not None and result is not None:
+            self.token_log.add(row.row_id, result)
 
     def flush(self) -> None:
         """Write buffered records now (e.g. right after the driver commits an output part)."""
@@ -132,7 +152,9 @@ class Observer:
         summary = dict(summary or {})
         summary.setdefault("run_id", self.run_id)
         summary.setdefault("elapsed_s", time.perf_counter() - self.t0)
-        steps = [self.flush]
+        steps = [self._steps.compact, self._rows.compact]
+        if self.token_log is not None:
+            steps.append(self.token_log.compact)
         if self.tracer is not None:
             steps.append(self.tracer.close)
         if self.options.report:
@@ -156,14 +178,12 @@ class Observer:
         self.report = write_report(self.out_dir, summary)
         log.info("%s", summary_text(self.report))
 
-    def __enter__(self) -> "Observer":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
+    def abort(self) -> None:
+        """The run failed: keep its records (the resumed run's report includes them), write no report,
+        free the metrics port."""
+        if self.closed:
             return
-        # the run failed: keep its records (a resume reports them), skip the report, free the port
+        self.closed = True
         try:
             self.flush()
             if self.tracer is not None:
@@ -171,4 +191,27 @@ class Observer:
         finally:
             if self.metrics is not None:
                 self.metrics.stop()
-            self.closed = True
+
+    def __enter__(self) -> "Observer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _has_committed_parts(out_dir: Path) -> bool:
+    manifest = Manifest.load(out_dir) if (out_dir / MANIFEST).exists() else None
+    return bool(manifest and manifest.parts) or bool(part_files(out_dir))
+
+
+def clear_records(out_dir: str | Path) -> None:
+    """Remove what observers left in out_dir (records, token ids, report); nothing else is touched."""
+    out = Path(out_dir)
+    for name in (STEPS_DIR, ROWS_DIR, TOKEN_IDS_DIR):
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)
+    for name in (REPORT_JSON, REPORT_HTML):
+        (out / name).unlink(missing_ok=True)

@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from batchinfer.observe.report import LATENCY_COLUMNS
 
 MAX_BINS = 80
+MAX_POINTS = 2000
 
 
 def _png(fig: Figure) -> str:
@@ -79,6 +80,14 @@ def plot_occupancy(steps: pl.DataFrame) -> Figure:
     if steps.height == 0:
         _empty(ax, "steps")
         return fig
+    if steps.height > MAX_POINTS:  # a long run: one point per time bin (means), so drawing stays fast
+        w = float(steps.get_column("elapsed").max()) / MAX_POINTS  # type: ignore[arg-type]
+        steps = (
+            steps.with_columns((pl.col("elapsed") / w).floor().alias("bin"))
+            .group_by("bin")
+            .agg(pl.col("elapsed", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free").mean())
+            .sort("elapsed")
+        )
     x = steps.get_column("elapsed").to_list()
     ax.plot(x, steps.get_column("num_running").to_list(), label="running", drawstyle="steps-post")
     ax.plot(x, steps.get_column("num_waiting").to_list(), label="waiting", drawstyle="steps-post")

@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchinfer.engine.request import Result
+from batchinfer.engine.request import RequestTimes, Result
 from batchinfer.engine.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ ROW_SCHEMA = pa.schema(
         ("run_id", pa.string()),
         ("id", pa.string()),
         ("finish_reason", pa.string()),
+        ("failed", pa.bool_()),
         ("prompt_tokens", pa.int32()),
         ("completion_tokens", pa.int32()),
         ("num_preemptions", pa.int32()),
@@ -84,13 +85,14 @@ def _diff(later: float | None, earlier: float | None) -> float | None:
     return max(0.0, later - earlier)
 
 
-def row_metrics(result: Result) -> dict[str, float | None]:
+def row_metrics(result: Any) -> dict[str, float | None]:
     """Per-row timings for the writer to add as columns (None where the engine gave no time).
 
-    queue_wait_s: arrival to first scheduling; ttft_s: arrival to the first output token;
+    result: an engine Result, or anything with its `times` (RequestTimes or None), e.g. the driver's
+    RowRecord. queue_wait_s: arrival to first scheduling; ttft_s: arrival to the first output token;
     decode_s: first output token to finish.
     """
-    t = result.times
+    t: RequestTimes | None = getattr(result, "times", None)
     if t is None:
         return {"queue_wait_s": None, "ttft_s": None, "decode_s": None}
     return {
@@ -119,19 +121,56 @@ def step_record(run_id: str, stats: StepStats, t0: float) -> dict[str, Any]:
     }
 
 
-def row_record(run_id: str, row_id: Any, result: Result, t0: float) -> dict[str, Any]:
-    """One `_rows` record: token counts, finish reason, timings (t relative to the run start t0)."""
-    t = result.times
+@dataclass(frozen=True)
+class RowOutcome:
+    """What one output row ended as: the fields the records, metrics and report need.
+
+    finish_reason and error are the OUTPUT row's (the driver may turn an engine success into an
+    error, e.g. an answer that fails its schema); times is None for rows that never reached the engine.
+    """
+
+    row_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    times: RequestTimes | None = None
+    num_preemptions: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or self.finish_reason == "error"
+
+    @classmethod
+    def of_result(cls, row_id: Any, result: Result, finish_reason: str | None = None,
+                  error: str | None = None) -> "RowOutcome":
+        """From an engine Result; finish_reason / error override the Result's when given."""
+        return cls(str(row_id), finish_reason or result.finish_reason, result.prompt_tokens,
+                   result.completion_tokens, error if error is not None else result.error, result.times,
+                   result.num_preemptions)
+
+    @classmethod
+    def of_record(cls, record: Any) -> "RowOutcome":
+        """From the driver's run.RowRecord (duck-typed; `error` is used when the record has one)."""
+        return cls(str(record.row_id), record.finish_reason, int(record.prompt_tokens or 0),
+                   int(record.completion_tokens or 0), getattr(record, "error", None), record.times,
+                   int(getattr(record, "num_preemptions", 0) or 0))
+
+
+def row_record(run_id: str, row: RowOutcome, t0: float) -> dict[str, Any]:
+    """One `_rows` record: token counts, finish reason, error, timings (t relative to the run start t0)."""
+    t = row.times
     rec: dict[str, Any] = {
         "run_id": run_id,
-        "id": str(row_id),
-        "finish_reason": result.finish_reason,
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "num_preemptions": result.num_preemptions,
-        "error": result.error,
+        "id": row.row_id,
+        "finish_reason": row.finish_reason,
+        "failed": row.failed,
+        "prompt_tokens": row.prompt_tokens,
+        "completion_tokens": row.completion_tokens,
+        "num_preemptions": row.num_preemptions,
+        "error": row.error,
     }
-    rec.update(row_metrics(result))
+    rec.update(row_metrics(row))
     rec["latency_s"] = _diff(t.finished, t.arrived) if t is not None else None
     rec["finished_t"] = (t.finished - t0) if t is not None and t.finished is not None else None
     return rec
@@ -181,6 +220,28 @@ class PartSink:
         self.rows_written += table.num_rows
         self._buffer.clear()
         return final
+
+
+    def compact(self) -> Path | None:
+        """Flush, then merge this run's parts into one (a long run leaves hundreds of small parts).
+
+        The merged part is written (atomically) before the small ones are deleted; a crash in between
+        leaves both, which readers tolerate because they de-duplicate (rows by id, steps by run and step).
+        """
+        self.flush()
+        cfg = self.config
+        mine = sorted(cfg.folder.glob(f"part-{cfg.run_id}-*.parquet")) if cfg.folder.is_dir() else []
+        if len(mine) < 2:
+            return mine[0] if mine else None
+        table = pa.concat_tables([pq.read_table(str(p), schema=cfg.schema) for p in mine])
+        name = f"part-{cfg.run_id}-{self._part:05d}.parquet"
+        tmp = cfg.folder / f".{name}.tmp"
+        pq.write_table(table, str(tmp))
+        os.replace(tmp, cfg.folder / name)
+        self._part += 1
+        for p in mine:
+            p.unlink()
+        return cfg.folder / name
 
 
 def part_paths(folder: Path) -> list[str]:

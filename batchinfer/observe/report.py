@@ -86,6 +86,7 @@ def load_records(out_dir: str | Path) -> tuple[pl.DataFrame, pl.DataFrame, Manif
     steps = pl.read_parquet(step_paths) if step_paths else pl.from_arrow(STEP_SCHEMA.empty_table())
     rows = pl.read_parquet(row_paths) if row_paths else pl.from_arrow(ROW_SCHEMA.empty_table())
     assert isinstance(steps, pl.DataFrame) and isinstance(rows, pl.DataFrame)
+    steps = steps.unique(subset=["run_id", "step"], keep="last", maintain_order=True)  # see PartSink.compact
     rows = rows.unique(subset="id", keep="last", maintain_order=True)
     manifest = Manifest.load(out) if (out / MANIFEST).exists() else None
     if manifest is not None and manifest.parts and manifest.id_column:
@@ -144,7 +145,7 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
     """The numbers of `_report.json` (everything but the run's own config/fingerprint/versions)."""
     reasons = rows.group_by("finish_reason").len().sort("finish_reason")
     finish = {r: int(n) for r, n in reasons.iter_rows()}
-    n_err = finish.get("error", 0)
+    n_err = int(rows.get_column("failed").sum())  # error set or finish_reason error: as the output counts
     totals = {
         "rows": rows.height,
         "ok": rows.height - n_err,
@@ -161,8 +162,8 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
     }
     secs = _engine_seconds(steps)
     rate = (lambda n: n / secs) if secs > 0 else (lambda n: None)
-    ok = rows.filter(pl.col("finish_reason") != "error")
-    ok_prompt = int(ok.get_column("prompt_tokens").sum())  # an error row's prompt was never run
+    ran = rows.filter(pl.col("finish_reason") != "error")  # the engine ran these (errors end at once)
+    ok_prompt = int(ran.get_column("prompt_tokens").sum())
     throughput = {
         "engine_s": secs,
         "rows_per_s": rate(totals["rows"]),
@@ -172,13 +173,15 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
         "total_tokens_per_s": rate(ok_prompt + totals["completion_tokens"]),
     }
     errs = (
-        rows.filter(pl.col("finish_reason") == "error")
-        .with_columns(pl.col("error").map_elements(error_kind, return_dtype=pl.Utf8).alias("kind"))
+        rows.filter(pl.col("failed"))
+        .with_columns(pl.col("error").fill_null("").map_elements(error_kind, return_dtype=pl.Utf8).alias("kind"))
         .group_by("kind")
         .agg(pl.len().alias("n"), pl.col("id").first().alias("example_id"), pl.col("error").first().alias("example"))
         .sort("n", descending=True)
     )
-    errors_by_kind = {k: {"count": int(n), "example_id": i, "example": e} for k, n, i, e in errs.iter_rows()}
+    errors_by_kind = {
+        k: {"count": int(n), "example_id": i, "example": (e or "")[:300]} for k, n, i, e in errs.iter_rows()
+    }
     kv: dict[str, Any] = {"total_blocks": None, "peak_used": None, "peak_used_frac": None, "mean_used_frac": None}
     if steps.height:
         k = steps.select(
@@ -216,7 +219,7 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
     return {
         "totals": totals,
         "throughput": throughput,
-        "latency_s": {name: _dist(ok, col) for name, col in LATENCY_COLUMNS.items()},  # errors end at once
+        "latency_s": {name: _dist(ran, col) for name, col in LATENCY_COLUMNS.items()},
         "lengths": {"prompt_tokens": _dist(rows, "prompt_tokens"), "completion_tokens": _dist(rows, "completion_tokens")},
         "step_ms": step_ms,
         "errors_by_kind": errors_by_kind,

@@ -49,6 +49,10 @@ class TokenLog:
     def close(self) -> None:
         self._sink.flush()
 
+    def compact(self) -> None:
+        """Flush and merge this run's parts into one (at the end of a run)."""
+        self._sink.compact()
+
 
 def read_token_ids(out_dir: str | Path) -> pl.DataFrame:
     """All logged rows of an output folder, the last record of each id (empty frame if none)."""

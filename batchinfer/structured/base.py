@@ -23,7 +23,8 @@ class GrammarError(ValueError):
 class Constraint:
     """What an answer must match. Hashable, so compiled grammars can be cached by it.
 
-    kind json_schema: value is the schema as canonical JSON text (sorted keys).
+    kind json_schema: value is the schema as compact JSON text, keys in the schema's own order
+      (property order is the order the answer's fields are generated in, so it is kept).
     kind regex: value is the pattern.
     kind choice: value is a JSON list of the allowed strings.
     whitespace: compact (no free whitespace in JSON) | flexible.
@@ -36,7 +37,7 @@ class Constraint:
     @staticmethod
     def json_schema(schema: dict[str, Any] | str, whitespace: str = "compact") -> "Constraint":
         obj = json.loads(schema) if isinstance(schema, str) else schema
-        return Constraint("json_schema", json.dumps(obj, sort_keys=True, separators=(",", ":")), whitespace)
+        return Constraint("json_schema", json.dumps(obj, separators=(",", ":"), ensure_ascii=False), whitespace)
 
     @staticmethod
     def regex(pattern: str) -> "Constraint":

@@ -1,0 +1,135 @@
+"""The CLI: help, exit codes, --set, validate, plan, demo-model, the quickstart job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from batchinfer.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture()
+def job_file(tiny_model, tmp_path):
+    rows = [{"doc_id": f"d{i}", "text": f"invoice {i} total {i * 3}"} for i in range(6)]
+    lines = [json.dumps(r) for r in rows] + [json.dumps({"doc_id": "d-bad", "body": "no text column"})]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    job = {
+        "model": {"path": str(tiny_model), "dtype": "float32"},
+        "input": {"path": "docs.jsonl", "id_column": "doc_id"},
+        "output": {"path": "out"},
+        "prompt": {"template": "Doc: {{ text }}"},
+        "sampling": {"max_tokens": 3},
+        "engine": {"max_num_seqs": 4, "device": "cpu", "num_kv_blocks": 32},
+    }
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump(job))
+    return p
+
+
+@pytest.mark.parametrize("cmd", [[], ["run"], ["validate"], ["plan"], ["demo-model"]])
+def test_help_everywhere(cmd):
+    r = invoke(*cmd, "--help")
+    assert r.exit_code == 0 and "Usage" in r.output
+
+
+def test_invalid_job_is_one_message_and_exit_2(tmp_path, job_file):
+    data = yaml.safe_load(job_file.read_text())
+    data["output"]["colums"] = ["x"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    for args in (["run", bad], ["validate", bad], ["plan", bad], ["run", tmp_path / "missing.yaml"], ["run", job_file, "--set", "nokey"]):
+        r = invoke(*args)
+        assert r.exit_code == 2, (args, r.output)
+        assert "error:" in r.output and "Traceback" not in r.output
+    assert "unknown key 'output.colums'" in invoke("run", bad).output
+    assert invoke("run", job_file, "--max-error-rate", "7").exit_code == 2
+
+
+def test_run_exit_codes_set_and_resume(job_file, tmp_path):
+    r = invoke("run", job_file, "--quiet")
+    assert r.exit_code == 3, r.output  # one row of seven has an error; default --max-error-rate 0
+    assert "14.3% of rows have errors" in r.output
+    df = pl.read_parquet(tmp_path / "out" / "*.parquet")
+    assert df.height == 7 and df.filter(pl.col("doc_id") == "d-bad")["error"][0].startswith("template column 'text' is missing")
+    r = invoke("run", job_file, "--max-error-rate", "0.2")
+    assert r.exit_code == 0 and "nothing to do" in r.output
+    r = invoke("run", job_file, "--set", "output.path=out2", "--set", "sampling.max_tokens=2", "--max-error-rate", "0.2", "-q")
+    assert r.exit_code == 0, r.output
+    out2 = pl.read_parquet(tmp_path / "out2" / "*.parquet")
+    assert out2.height == 7 and out2["completion_tokens"].max() <= 2
+    r = invoke("run", job_file, "--set", "sampling.max_tokens=5")
+    assert r.exit_code == 2 and "different job (changed: sampling)" in r.output
+    assert invoke("run", job_file, "--set", "sampling.max_tokens=5", "--overwrite", "--max-error-rate", "1").exit_code == 0
+
+
+def test_run_failure_is_exit_1(job_file, monkeypatch):
+    from batchinfer.engine.engine import Engine
+
+    def boom(self, requests):
+        raise RuntimeError("CUDA error: device lost")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(Engine, "generate", boom)
+    r = invoke("run", job_file, "-q")
+    assert r.exit_code == 1 and "the run failed: RuntimeError: CUDA error: device lost" in r.output
+
+
+def test_validate_and_plan(job_file, tiny_model):
+    r = invoke("validate", job_file)
+    assert r.exit_code == 0, r.output
+    assert "job ok" in r.output and "7 rows with an id" in r.output and "rendered on 5 of the first 5 rows" in r.output
+    r = invoke("plan", job_file)
+    assert r.exit_code == 0, r.output
+    from batchinfer.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    msgs = [[{"role": "user", "content": f"Doc: invoice {i} total {i * 3}"}] for i in range(6)]
+    expected = sum(len(tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]) for m in msgs)
+    assert "rows: 6 to do (0 already done, 1 will fail before the engine)" in r.output
+    assert f"prompt tokens: {expected} " in r.output
+    assert "bytes per token (2 layers x 2 kv heads x 32 x 2 x 4 B)" in r.output
+    assert "time on cpu: at least" in r.output and "assumptions:" in r.output
+
+
+def test_validate_refuses_a_template_that_fails_on_every_row(job_file):
+    r = invoke("validate", job_file, "--set", "prompt.template={{ missing_col }}")
+    assert r.exit_code == 2 and "fails on every sampled row" in r.output and "missing_col" in r.output
+
+
+def test_validate_refuses_a_bad_schema(job_file):
+    r = invoke("validate", job_file, "--set", "structured.regex=(unclosed")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_quickstart_job_validates(tiny_model, tmp_path):
+    r = invoke("validate", ROOT / "jobs" / "quickstart.yaml", "--set", f"model.path={tiny_model}", "--set", f"output.path={tmp_path / 'q'}")
+    assert r.exit_code == 0, r.output
+    assert "24 rows with an id" in r.output and "constraint compiles" in r.output
+
+
+def test_demo_model_command(tmp_path):
+    r = invoke("demo-model", tmp_path / "m", "--family", "llama", "--vocab-size", "300")
+    assert r.exit_code == 0 and (tmp_path / "m" / "config.json").exists()
+    assert invoke("demo-model", tmp_path / "m2", "--family", "gpt2").exit_code == 2
+
+
+def test_python_api_accepts_a_dict(job_file, tmp_path):
+    import batchinfer
+
+    job = yaml.safe_load(job_file.read_text())
+    job["input"]["path"] = str(tmp_path / "docs.jsonl")
+    job["output"]["path"] = str(tmp_path / "api-out")
+    s = batchinfer.run(job)
+    assert s.rows_done == 7 and s.error_rows == 1 and s.error_rate == pytest.approx(1 / 7)

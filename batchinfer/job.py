@@ -204,9 +204,11 @@ class JobSpec(BaseModel):
         return self
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len, **self.engine.model_dump()
-        )
+        """The engine's config; structured.backend picks the grammar backend unless engine.grammar_backend does."""
+        fields = self.engine.model_dump()
+        if self.structured is not None and self.structured.backend != "auto" and fields.get("grammar_backend") == "auto":
+            fields["grammar_backend"] = self.structured.backend
+        return EngineConfig(model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len, **fields)
 
 
 def job_json_schema() -> dict[str, Any]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+import polars as pl
 import pyarrow as pa
 
 from batchinfer.engine.request import Request, Result
@@ -49,6 +50,8 @@ class RowRecord:
     completion_tokens: int
     times: Any = None  # engine RequestTimes, or None for rows that never reached the engine
     num_preemptions: int = 0
+    error: str | None = None  # the output row's error (also set when the answer failed validation)
+    result: Result | None = None  # the engine's Result, None for rows that never reached it
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class JobPlan:
     ids: IdCheck
     model_dir: Path
     manifest: mf.Manifest
-    finished: set[str]
+    finished: pl.Series  # ids (as text) already in the output
     key_types: dict[str, pa.DataType | None]
     recovered: int = 0
 
@@ -111,9 +114,9 @@ class JobPlan:
 
     @property
     def pending_count(self) -> int:
-        if not self.finished:
+        if self.finished.is_empty():
             return self.ids.num_rows
-        return self.ids.num_rows - sum(1 for i in self.ids.ids.get_column("id").to_list() if i in self.finished)
+        return self.ids.ids.lazy().filter(~pl.col("id").is_in(self.finished.implode())).select(pl.len()).collect().item()
 
 
 def fingerprint_components(spec: JobSpec, model_dir: Path) -> dict[str, Any]:
@@ -174,7 +177,10 @@ def _key_types(spec: JobSpec, files: list[InputFile]) -> dict[str, pa.DataType |
 def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     """Stage 1: list files, check ids, open the output folder (recover, fingerprint check)."""
     model_dir = resolve_model(spec)
-    files = list_input_files(spec.input.path, spec.input.format)
+    out = Path(spec.output.path)
+    files = [f for f in list_input_files(spec.input.path, spec.input.format) if not Path(f.path).is_relative_to(out.resolve())]
+    if not files:
+        raise InputError(f"input.path: no input files outside output.path ({out})")
     ids = check_ids(files, spec.input.id_column)
     key_types = _key_types(spec, files)
     if spec.structured is not None:
@@ -182,7 +188,6 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     components = fingerprint_components(spec, model_dir)
     fp = mf.fingerprint_of(components)
     hashes = mf.component_hashes(components)
-    out = Path(spec.output.path)
     if out.exists() and not out.is_dir():
         raise JobError(f"output.path: {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -227,11 +232,16 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
 def pending_rows(plan: JobPlan, columns: list[str] | None = None) -> Iterator[Row | Reject]:
     """Stage 2: input rows not yet in the output (and rejects), streamed batch by batch."""
     id_col = plan.spec.input.id_column
+    done = plan.finished.implode()
     for batch in iter_rows(plan.files, id_col, plan.spec.input.batch_size, columns):
-        for item in batch:
-            if isinstance(item, Row) and str(item.values[id_col]) in plan.finished:
-                continue
-            yield item
+        if plan.finished.is_empty():
+            yield from batch
+            continue
+        keys = pl.Series([str(i.values[id_col]) if isinstance(i, Row) else "" for i in batch], dtype=pl.Utf8)
+        skip = keys.is_in(done).to_list()
+        for item, is_done in zip(batch, skip):
+            if not (is_done and isinstance(item, Row)):
+                yield item
 
 
 # ---- stage 3: rows to requests -----------------------------------------------------------------------
@@ -391,7 +401,7 @@ def execute(
                 req = builder.build(item, rid)
             except RowError as e:
                 msg = f"{e} ({Path(item.file).name} line {item.line})"
-                finish(converter.error_row(meta, msg), RowRecord(meta.keys[builder.key_names[0]], "error", 0, 0))
+                finish(converter.error_row(meta, msg), RowRecord(meta.keys[builder.key_names[0]], "error", 0, 0, error=msg))
                 continue
             inflight[rid] = meta
             yield req
@@ -401,7 +411,7 @@ def execute(
         row = converter.row(meta, result)
         record = RowRecord(
             meta.keys[builder.key_names[0]], row["finish_reason"], result.prompt_tokens, result.completion_tokens,
-            result.times, result.num_preemptions,
+            result.times, result.num_preemptions, row["error"], result,
         )
         finish(row, record)
         writer.maybe_flush()
@@ -428,7 +438,7 @@ def run(
     job: "str | Path | dict[str, Any] | JobSpec",
     overrides: list[str] | tuple[str, ...] = (),
     overwrite: bool = False,
-    progress: bool | None = None,
+    progress: bool = False,
     engine_factory: Callable[..., Any] = make_engine,
     on_row: Callable[[RowRecord], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
@@ -436,7 +446,7 @@ def run(
 ) -> RunSummary:
     """Run a batch job (path, dict or JobSpec) to completion and return its summary.
 
-    progress: show a tqdm bar (default: when stderr is a terminal). on_row gets a RowRecord per
+    progress: show a tqdm bar on stderr (only when it is a terminal; the CLI turns it on). on_row gets a RowRecord per
     finished row, on_progress the running counters, on_step the engine's per-step stats. Raises JobError/InputError for a
     job that cannot run, RunError (or the engine's exception) when the run fails.
     """
@@ -461,8 +471,7 @@ def run(
     writer = PartWriter(plan.manifest, columns, spec.output.rows_per_part, spec.output.seconds_per_part)
     needed = sorted(set(builder.key_names) | set(builder.prompts.columns))
     stats = Progress()
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = _progress_bar(pending, show)
+    bar = _progress_bar(pending, progress and sys.stderr.isatty())
 
     def tick(p: Progress) -> None:
         bar.update(1)

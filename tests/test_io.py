@@ -16,6 +16,7 @@ from batchinfer.io import manifest as mf
 from batchinfer.io.ids import check_ids
 from batchinfer.io.readers import InputError, Reject, Row, iter_rows, list_input_files
 from batchinfer.io.writer import PartWriter, output_schema
+from batchinfer.job import JobError
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
@@ -119,7 +120,7 @@ def test_writer_commits_parts_with_temp_names_and_manifest(tmp_path):
     assert not [p for p in m.folder.iterdir() if p.name.startswith(mf.TMP_PREFIX)]
     loaded = mf.Manifest.load(m.folder)
     assert loaded.parts == m.parts and loaded.fingerprint == "fp1"
-    assert loaded.finished_ids() == {str(i) for i in range(7)}
+    assert set(loaded.finished_ids().to_list()) == {str(i) for i in range(7)}
     df = pl.read_parquet(m.folder / "*.parquet")
     assert pa.dataset.dataset(m.folder).to_table().num_rows == 7  # pyarrow skips _manifest.json
     assert sorted(df["id"].to_list()) == list(range(7))
@@ -157,7 +158,7 @@ def test_recover_adds_unrecorded_part_of_this_job_and_deletes_foreign_ones(tmp_p
     fresh = mf.Manifest.load(m.folder)
     assert mf.recover(fresh) == (1, 1)
     assert [p.name for p in fresh.parts] == ["part-000000.parquet", "part-000001.parquet"]
-    assert fresh.finished_ids() == {"0", "1", "2", "3"}
+    assert set(fresh.finished_ids().to_list()) == {"0", "1", "2", "3"}
     assert mf.Manifest.load(m.folder).parts == fresh.parts
     assert not (m.folder / "part-000007.parquet").exists()
 
@@ -169,7 +170,7 @@ def test_recover_forgets_parts_missing_on_disk(tmp_path):
     (m.folder / "part-000000.parquet").unlink()
     fresh = mf.Manifest.load(m.folder)
     mf.recover(fresh)
-    assert fresh.finished_ids() == {"2"}
+    assert fresh.finished_ids().to_list() == ["2"]
 
 
 def test_clear_output_keeps_foreign_files(tmp_path):
@@ -182,5 +183,12 @@ def test_clear_output_keeps_foreign_files(tmp_path):
 
 def test_unreadable_manifest_is_a_clear_error(tmp_path):
     (tmp_path / mf.MANIFEST).write_text("{not json")
-    with pytest.raises(ValueError, match="manifest is unreadable"):
+    with pytest.raises(JobError, match="manifest is unreadable"):
         mf.Manifest.load(tmp_path)
+
+
+def test_check_ids_refuses_mixed_id_types(tmp_path):
+    pq.write_table(pa.table({"id": [1, 2]}), tmp_path / "1.parquet")
+    write_jsonl(tmp_path / "2.jsonl", [{"id": 3}, {"id": "x4"}])
+    with pytest.raises(InputError, match=r"mixes types \(integer at .*1.parquet; string at .*2.jsonl line 2\)"):
+        check_ids(list_input_files(str(tmp_path)), "id")

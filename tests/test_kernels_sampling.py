@@ -9,46 +9,36 @@ launch never syncs and replays in a CUDA graph; the time per call is printed.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import batchinfer.kernels.sampling as compiled
-from batchinfer.engine.request import SamplingParams
-from batchinfer.engine.sampler import (
+from batchinfer.kernels.interpreter import ensure_interpreter
+
+# Before anything imports triton: interpreted on a CPU-only machine, compiled on a GPU machine.
+INTERPRETED = ensure_interpreter()
+
+import batchinfer.kernels.sampling as K  # noqa: E402
+from batchinfer.engine.request import SamplingParams  # noqa: E402
+from batchinfer.engine.sampler import (  # noqa: E402
     gumbel_noise,
     make_sampling_batch,
     sample,
     uniform_noise,
     uses_fused_kernel,
 )
-from batchinfer.kernels.interpreter import interpreter_env
 
-
-def _load_interpreted():
-    """A private copy of kernels/sampling.py whose kernels run under the Triton interpreter
-    (the shared module stays compiled for GPU users in the same process)."""
-    path = Path(compiled.__file__)
-    spec = importlib.util.spec_from_file_location("batchinfer.kernels._interpreted_sampling", path)
-    module = importlib.util.module_from_spec(spec)
-    with interpreter_env():
-        spec.loader.exec_module(module)
-    return module
-
-
-K = _load_interpreted()
-
-
-@pytest.fixture()
-def interpreter():
-    """Interpreted kernels read TRITON_INTERPRET while they run."""
-    with interpreter_env():
-        yield
+interpreted = pytest.mark.skipif(
+    not INTERPRETED,
+    reason="Triton was imported for the GPU in this process; the interpreter tests run on a CPU-only machine",
+)
 
 
 def kernel_draw(logits: torch.Tensor, params: list[SamplingParams], seeds, steps, **kw) -> torch.Tensor:
@@ -67,7 +57,8 @@ EDGE_STEPS = torch.tensor([0, 2**32 - 1, 1, 17, 123456789, 2**31])
 # ---------------------------------------------------------------- noise
 
 
-def test_uniform_noise_is_bit_identical(interpreter):
+@interpreted
+def test_uniform_noise_is_bit_identical():
     ids = torch.cat([torch.arange(3000), torch.tensor([151935, 151936, 2**24 + 3, 2**31 - 2])])
     u, g = K.kernel_noise(EDGE_SEEDS, EDGE_STEPS, ids)
     assert torch.equal(u, uniform_noise(EDGE_SEEDS, EDGE_STEPS, ids))
@@ -78,7 +69,8 @@ def test_uniform_noise_is_bit_identical(interpreter):
     torch.testing.assert_close(g, expected, rtol=2e-6, atol=5e-7)
 
 
-def test_noise_depends_on_every_key(interpreter):
+@interpreted
+def test_noise_depends_on_every_key():
     ids = torch.arange(256)
     u, _ = K.kernel_noise(torch.tensor([5, 5, 6]), torch.tensor([9, 10, 9]), ids)
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
@@ -96,8 +88,9 @@ MIXED = [
 ]
 
 
+@interpreted
 @pytest.mark.parametrize("splits,block", [(None, 128), (1, 128), (3, 64), (1, 1024)])
-def test_tokens_equal_torch_path(interpreter, splits, block):
+def test_tokens_equal_torch_path(splits, block):
     """B=5, V=1000: greedy and sampled rows, banned tokens, a fully banned row, greedy ties."""
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(5, 1000, generator=gen) * 3
@@ -114,7 +107,8 @@ def test_tokens_equal_torch_path(interpreter, splits, block):
     assert out[0].item() % 2 == 0
 
 
-def test_ties_and_nan_follow_torch_argmax(interpreter):
+@interpreted
+def test_ties_and_nan_follow_torch_argmax():
     """+inf ties (any row) go to the lowest id; NaN beats everything, first NaN wins."""
     logits = torch.zeros(4, 300)
     logits[0, [250, 40, 120]] = math.inf
@@ -129,7 +123,8 @@ def test_ties_and_nan_follow_torch_argmax(interpreter):
         assert out.tolist() == expected.tolist() == [40, 40, 70, 299]
 
 
-def test_same_row_same_token_whatever_shares_the_batch(interpreter):
+@interpreted
+def test_same_row_same_token_whatever_shares_the_batch():
     gen = torch.Generator().manual_seed(12)
     row = torch.randn(1, 400, generator=gen)
     alone = kernel_draw(row, [SamplingParams(temperature=0.9)], [77], [5], block=64)
@@ -140,6 +135,7 @@ def test_same_row_same_token_whatever_shares_the_batch(interpreter):
     assert mixed[2].item() == alone.item()
 
 
+@interpreted
 @settings(max_examples=12, deadline=None)
 @given(
     rows=st.integers(1, 4),
@@ -152,29 +148,29 @@ def test_same_row_same_token_whatever_shares_the_batch(interpreter):
     data=st.data(),
 )
 def test_tokens_equal_torch_path_property(rows, vocab, temperature, banned, seed, step, splits, data):
-    with interpreter_env():
-        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-        # few distinct values: exact ties between tokens are common
-        logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float() * 0.5
-        logits[torch.rand(rows, vocab, generator=gen) < banned] = -math.inf
-        params = [SamplingParams(temperature=temperature if i % 2 == 0 else 0.7) for i in range(rows)]
-        seeds, steps = [seed + i for i in range(rows)], [step] * rows
-        expected = torch_draw(logits, params, seeds, steps)
-        out = kernel_draw(logits, params, seeds, steps, splits=splits, block=32)
-        assert out.tolist() == expected.tolist()
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    # few distinct values: exact ties between tokens are common
+    logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float() * 0.5
+    logits[torch.rand(rows, vocab, generator=gen) < banned] = -math.inf
+    params = [SamplingParams(temperature=temperature if i % 2 == 0 else 0.7) for i in range(rows)]
+    seeds, steps = [seed + i for i in range(rows)], [step] * rows
+    expected = torch_draw(logits, params, seeds, steps)
+    out = kernel_draw(logits, params, seeds, steps, splits=splits, block=32)
+    assert out.tolist() == expected.tolist()
 
 
 # ---------------------------------------------------------------- launcher
 
 
 def test_num_splits_fill_the_gpu_and_keep_slices_long():
-    assert compiled.num_splits(256, 151936, 2048) == 2
-    assert compiled.num_splits(1, 151936, 2048) == 151936 // (2048 * compiled.MIN_TILES_PER_SPLIT)
-    assert compiled.num_splits(1024, 151936, 2048) == 1
-    assert compiled.num_splits(4, 1000, 2048) == 1
+    assert K.num_splits(256, 151936, 2048) == 2
+    assert K.num_splits(1, 151936, 2048) == 151936 // (2048 * K.MIN_TILES_PER_SPLIT)
+    assert K.num_splits(1024, 151936, 2048) == 1
+    assert K.num_splits(4, 1000, 2048) == 1
 
 
-def test_launcher_checks_inputs(interpreter):
+@interpreted
+def test_launcher_checks_inputs():
     b = make_sampling_batch([SamplingParams()] * 2, [0, 1], [0, 0], "cpu")
     with pytest.raises(ValueError, match="float32"):
         K.fused_sample(torch.zeros(2, 8, dtype=torch.float16), b.temperature, b.seeds, b.steps, b.greedy)
@@ -196,34 +192,35 @@ def test_cpu_never_takes_the_fused_path():
 # ---------------------------------------------------------------- sm_90 compile (no GPU needed)
 
 
+COMPILE_SCRIPT = textwrap.dedent(
+    """
+    from batchinfer.kernels.compile_check import Variant, compile_variant
+
+    ptrs = {"default": "fp32", "seed_ptr": "i64", "step_ptr": "i64", "greedy_ptr": "i1", "idx_out_ptr": "i64"}
+    main = compile_variant(Variant("sampling", "_sample_split_kernel", ptrs,
+                                   dict(NUM_SPLITS=2, BLOCK=2048, LIBDEVICE_LOG=True), num_warps=8))
+    compile_variant(Variant("sampling", "_reduce_splits_kernel", {"default": "fp32", "idx_ptr": "i64", "out_ptr": "i64"},
+                            dict(NUM_SPLITS=4, BLOCK_S=4), num_warps=1))
+    compile_variant(Variant("sampling", "_noise_kernel", {"default": "i64", "u_ptr": "fp32", "g_ptr": "fp32"},
+                            dict(BLOCK=1024, LIBDEVICE_LOG=True)))
+    print(main.asm["ptx"])
+    """
+)
+
+
 @pytest.mark.slow
-def test_kernels_compile_for_sm90_with_precise_math(tmp_path, monkeypatch):
+def test_kernels_compile_for_sm90_with_precise_math(tmp_path):
     """The interpreter cannot check libdevice calls or what `/` lowers to: compile for an H100/H200
-    and look at the PTX (IEEE division, no approximate log)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    if not isinstance(compiled._sample_split_kernel, triton.runtime.JITFunction):
-        pytest.skip("TRITON_INTERPRET=1 was set when the kernels were imported")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-
-    def build(fn, signature, constexprs, num_warps):
-        sig = {name: ("constexpr" if name in constexprs else signature[name]) for name in fn.arg_names}
-        src = ASTSource(fn, sig, constexprs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-
-    ptrs = dict(logits_ptr="*fp32", temp_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64", greedy_ptr="*i1",
-                val_out_ptr="*fp32", idx_out_ptr="*i64", s_l="i32", V="i32", SPLIT_LEN="i32")
-    main = build(compiled._sample_split_kernel, ptrs, dict(NUM_SPLITS=2, BLOCK=2048, LIBDEVICE_LOG=True), 8)
-    ptx = main.asm["ptx"]
+    (no GPU needed; a fresh process, since compiled Triton cannot share one with the interpreter)
+    and read the PTX: IEEE division, no approximate log, the hash on 32-bit integers."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ptx = done.stdout
     assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
     assert "lg2.approx" not in ptx
-    assert "mul.lo.s64" not in ptx.replace("mul.lo.s64", "", 1)  # the hash runs on 32-bit integers
-    build(compiled._reduce_splits_kernel, dict(val_ptr="*fp32", idx_ptr="*i64", out_ptr="*i64"),
-          dict(NUM_SPLITS=4, BLOCK_S=4), 1)
-    build(compiled._noise_kernel, dict(seed_ptr="*i64", step_ptr="*i64", ids_ptr="*i64", u_ptr="*fp32",
-                                       g_ptr="*fp32", N="i32"), dict(BLOCK=1024, LIBDEVICE_LOG=True), 4)
+    assert ptx.count("mul.lo.s64") <= 1  # the row offset only: the hash runs on 32-bit integers
 
 
 # ---------------------------------------------------------------- GPU
@@ -248,7 +245,7 @@ def _qwen_batch(rows: int, vocab: int = 151936, seed: int = 21, device: str = "c
 def test_gpu_noise_is_bit_identical_to_torch_cuda():
     seeds, steps = EDGE_SEEDS.cuda(), EDGE_STEPS.cuda()
     ids = torch.arange(151936, device="cuda")
-    u, g = compiled.kernel_noise(seeds, steps, ids)
+    u, g = K.kernel_noise(seeds, steps, ids)
     assert torch.equal(u, uniform_noise(seeds, steps, ids))
     assert torch.equal(g, gumbel_noise(seeds, steps, ids))
 

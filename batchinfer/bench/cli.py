@@ -35,3 +35,46 @@ def grammar(
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+
+
+@bench_app.command("throughput")
+def throughput(
+    workload: str = typer.Option("nano256", "--workload", help="nano256 | docs1000 | docs1000-json."),
+    model: str = typer.Option("qwen3-0.6b", "--model", help="A shape (qwen3-0.6b, llama-3.1-8b: random weights) or a model folder."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the numbers as JSON here (default: bench-results/)."),
+    scale: float = typer.Option(1.0, "--scale", help="Shrink request counts and lengths (smoke runs on CPU)."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens"),
+    attention_backend: Optional[str] = typer.Option(None, "--attention-backend"),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs"),
+    data_parallel: Optional[int] = typer.Option(None, "--data-parallel", help="Engines, one per GPU."),
+) -> None:
+    """Run a named workload; print throughput next to the workload's roofline floor on this device."""
+    import logging
+
+    from batchinfer.bench.throughput import format_report, run_throughput, write_report
+    from batchinfer.bench.workloads import WORKLOADS
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if workload not in WORKLOADS:
+        typer.echo(f"error: unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}", err=True)
+        raise typer.Exit(2)
+    overrides = {
+        k: v
+        for k, v in dict(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attention_backend=attention_backend,
+            cuda_graphs=cuda_graphs,
+        ).items()
+        if v is not None
+    }
+    try:
+        result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel)
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    path = out or Path("bench-results") / f"throughput-{workload}-{Path(model).name}.json"
+    write_report(result, path)
+    typer.echo(format_report(result))
+    typer.echo(f"numbers written to {path}")

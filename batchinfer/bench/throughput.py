@@ -43,9 +43,13 @@ def run_throughput(
     engine_overrides: dict | None = None,
     scale: float = 1.0,
     cache_dir: Path | None = None,
+    data_parallel: int | None = None,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict."""
     from batchinfer.engine.engine import Engine
+
+    if data_parallel not in (None, 1):
+        raise ValueError("--data-parallel above 1 needs the data-parallel executor (not built yet)")
 
     cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "batchinfer-bench")
     folder, load_format = _model_folder(model, cache_dir)

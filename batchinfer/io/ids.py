@@ -25,10 +25,22 @@ class IdCheck:
         return self.ids.height
 
 
-def _parquet_ids(f: InputFile, id_column: str) -> pl.LazyFrame:
+def _kind(value_type: str) -> str:
+    """A coarse kind of an id's type, so that mixing e.g. integers and strings is caught up front."""
+    if value_type.startswith(("int", "uint")) or value_type == "int":
+        return "integer"
+    if value_type in ("string", "large_string", "str", "string_view"):
+        return "string"
+    return value_type
+
+
+def _parquet_ids(f: InputFile, id_column: str, kinds: dict[str, str]) -> pl.LazyFrame:
     cols = input_columns(f) or []
     if id_column not in cols:
         raise InputError(f"{f.path}: no id column '{id_column}' (columns: {', '.join(cols)})")
+    import pyarrow.parquet as pq
+
+    kinds.setdefault(_kind(str(pq.read_schema(f.path).field(id_column).type)), f.path)
     return (
         pl.scan_parquet(f.path)
         .select(pl.col(id_column).cast(pl.Utf8).alias("id"))
@@ -39,7 +51,7 @@ def _parquet_ids(f: InputFile, id_column: str) -> pl.LazyFrame:
     )
 
 
-def _jsonl_ids(f: InputFile, id_column: str) -> pl.LazyFrame:
+def _jsonl_ids(f: InputFile, id_column: str, kinds: dict[str, str]) -> pl.LazyFrame:
     ids: list[str] = []
     lines: list[int] = []
     objects = 0
@@ -58,6 +70,7 @@ def _jsonl_ids(f: InputFile, id_column: str) -> pl.LazyFrame:
                 v = obj.get(id_column)
                 if v is None or isinstance(v, (dict, list)):
                     continue
+                kinds.setdefault(_kind(type(v).__name__), f"{f.path} line {n}")
                 ids.append(str(v))
                 lines.append(n)
     except (OSError, EOFError) as e:
@@ -69,7 +82,11 @@ def _jsonl_ids(f: InputFile, id_column: str) -> pl.LazyFrame:
 
 def check_ids(files: list[InputFile], id_column: str) -> IdCheck:
     """Refuse a missing id column or duplicate ids; return all ids (for counting pending rows)."""
-    frames = [_parquet_ids(f, id_column) if f.format == "parquet" else _jsonl_ids(f, id_column) for f in files]
+    kinds: dict[str, str] = {}  # kind of id -> where it is first seen
+    frames = [_parquet_ids(f, id_column, kinds) if f.format == "parquet" else _jsonl_ids(f, id_column, kinds) for f in files]
+    if len(kinds) > 1:
+        seen = "; ".join(f"{k} at {where}" for k, where in kinds.items())
+        raise InputError(f"id column '{id_column}' mixes types ({seen}); give every row an id of one type")
     try:
         ids = pl.concat(frames).collect()
     except pl.exceptions.PolarsError as e:

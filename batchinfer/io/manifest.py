@@ -101,7 +101,9 @@ class Manifest:
             parts = [PartInfo(x["name"], int(x["rows"]), int(x.get("errors", 0))) for x in d["parts"]]
             return cls(folder, d["fingerprint"], d.get("components", {}), d.get("id_column", ""), parts)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{p}: manifest is unreadable ({e}); remove the folder or run with --overwrite") from None
+            from batchinfer.job import JobError
+
+            raise JobError(f"{p}: manifest is unreadable ({e}); remove the folder or run with --overwrite") from None
 
     def save(self) -> None:
         data = {
@@ -123,12 +125,11 @@ class Manifest:
     def part_paths(self) -> list[str]:
         return [str(self.folder / p.name) for p in self.parts]
 
-    def finished_ids(self) -> set[str]:
-        """Ids (as text) of every row in the recorded parts: the truth for resume."""
+    def finished_ids(self) -> pl.Series:
+        """Ids (as text) of every row in the recorded parts: the truth for resume (a compact Series)."""
         if not self.parts:
-            return set()
-        ids = pl.scan_parquet(self.part_paths).select(pl.col(self.id_column).cast(pl.Utf8)).collect().to_series()
-        return set(ids.to_list())
+            return pl.Series("id", [], dtype=pl.Utf8)
+        return pl.scan_parquet(self.part_paths).select(pl.col(self.id_column).cast(pl.Utf8).alias("id")).collect().to_series()
 
 
 def part_files(folder: Path) -> list[str]:

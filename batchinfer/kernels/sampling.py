@@ -34,6 +34,9 @@ from batchinfer.kernels._util import check_last_dim_contiguous, pow2
 DEFAULT_BLOCK = 2048  # vocab tile per loop iteration (elements)
 TARGET_PROGRAMS = 512  # split the vocabulary until rows * splits reaches about this many programs
 MIN_TILES_PER_SPLIT = 4  # never split a row into slices shorter than this many tiles
+# Contract mul+add into fma inside the inlined libdevice logf, as nvcc does (--fmad=true) when it
+# compiles torch's CUDA log: pinned so Triton's changing default cannot change the noise's bits.
+FP_FUSION = True
 
 
 @triton.jit
@@ -219,7 +222,7 @@ def fused_sample(
         logits, temperature, seeds, steps, greedy, vals, idx,
         logits.stride(0), vocab, split_len,
         NUM_SPLITS=n_splits, BLOCK=block, LIBDEVICE_LOG=_libdevice_log(logits.device),
-        num_warps=8 if block >= 2048 else 4,
+        num_warps=8 if block >= 2048 else 4, enable_fp_fusion=FP_FUSION,
     )
     if n_splits > 1:
         _reduce_splits_kernel[(rows,)](vals, idx, out, NUM_SPLITS=n_splits, BLOCK_S=pow2(n_splits), num_warps=1)
@@ -238,6 +241,6 @@ def kernel_noise(
         block = min(pow2(block, 16), pow2(n, 16))
         _noise_kernel[(rows, triton.cdiv(n, block))](
             seeds.contiguous(), steps.contiguous(), token_ids.contiguous(), u, g, n,
-            BLOCK=block, LIBDEVICE_LOG=_libdevice_log(seeds.device),
+            BLOCK=block, LIBDEVICE_LOG=_libdevice_log(seeds.device), enable_fp_fusion=FP_FUSION,
         )
     return u, g

@@ -190,13 +190,16 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
     total_prompt = sum(prompt_lens)
     n = len(prompt_lens)
+    mean_prompt = total_prompt / n if n else 0.0
+    concurrent = min(n, spec.engine.max_num_seqs)
     lines = [
         f"rows: {n} to do ({len(finished)} already done, {bad} will fail before the engine)",
         f"prompt tokens: {total_prompt} (mean {total_prompt / n if n else 0:.0f}, max {max(prompt_lens, default=0)})",
         f"output tokens: at most {n * max_tokens} ({max_tokens} per row)",
-        f"KV cache: {per_token} bytes per token ({info.num_layers} layers x {info.num_kv_heads} kv heads x {info.head_dim} x 2 x {dtype_bytes} B)",
+        f"KV cache: {per_token} bytes per token "
+        f"({info.num_layers} layers x {info.num_kv_heads} kv heads x {info.head_dim} x 2 x {dtype_bytes} B)",
         f"  whole job at once: {_gib(per_token * (total_prompt + n * max_tokens))}; "
-        f"{spec.engine.max_num_seqs} sequences at once: {_gib(per_token * min(n, spec.engine.max_num_seqs) * ((total_prompt / n if n else 0) + max_tokens))}",
+        f"{spec.engine.max_num_seqs} sequences at once: {_gib(per_token * concurrent * (mean_prompt + max_tokens))}",
     ]
     if n:
         lines += _time_estimate(spec, info, prompt_lens, per_token, dtype_bytes)
@@ -234,8 +237,9 @@ def _time_estimate(spec: Any, info: Any, prompt_lens: list[int], per_token: int,
     return [
         f"time on {ceilings.device}: at least {_dur(floor.floor_s)} ({floor.bound}-bound roofline floor; "
         f"expect about {_dur(2 * floor.floor_s)}-{_dur(4 * floor.floor_s)})",
-        f"  assumptions: every row writes max_tokens; ceilings measured now ({ceilings.copy_bytes_per_s / 1e9:.0f} GB/s copy, "
-        f"{ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s matmul); a real engine reaches 25-50% of the floor's speed; per-step host overhead, which dominates tiny models, is not counted",
+        f"  assumptions: every row writes max_tokens; ceilings measured now "
+        f"({ceilings.copy_bytes_per_s / 1e9:.0f} GB/s copy, {ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s matmul); "
+        "a real engine reaches 25-50% of the floor's speed; per-step host overhead (which dominates tiny models) is not counted",
     ]
 
 

@@ -300,7 +300,11 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return f"invalid job {source}:\n  " + "\n  ".join(seen)
 
 
-def load_job(job: "str | Path | dict[str, Any] | JobSpec", overrides: list[str] | tuple[str, ...] = (), base_dir: str | Path | None = None) -> JobSpec:
+def load_job(
+    job: "str | Path | dict[str, Any] | JobSpec",
+    overrides: list[str] | tuple[str, ...] = (),
+    base_dir: str | Path | None = None,
+) -> JobSpec:
     """Load and validate a job from a YAML path, a dict or a JobSpec; apply `--set` overrides.
 
     Relative paths resolve against the job file's folder (for a dict: `base_dir`, default the cwd).

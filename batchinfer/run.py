@@ -10,6 +10,7 @@ the committed parts; a row whose id is among them is skipped when the input is r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -67,7 +68,8 @@ class RunSummary:
     this_run_errors: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # generation: from the engine being ready to the last part committed
+    load_seconds: float = 0.0  # loading the engine (model, KV cache)
     nothing_to_do: bool = False
     recovered_parts: int = 0
 
@@ -82,7 +84,7 @@ class RunSummary:
         else:
             rate = (self.prompt_tokens + self.completion_tokens) / self.seconds if self.seconds else 0.0
             head = (
-                f"done: {self.this_run_rows} rows in {self.seconds:.1f}s "
+                f"done: {self.this_run_rows} rows in {self.seconds:.1f}s after {self.load_seconds:.1f}s loading "
                 f"({self.this_run_rows / self.seconds if self.seconds else 0:.1f} rows/s, {rate:.0f} tokens/s; "
                 f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens) -> {self.output_path}"
             )
@@ -107,6 +109,12 @@ class JobPlan:
     finished: pl.Series  # ids (as text) already in the output
     key_types: dict[str, pa.DataType | None]
     recovered: int = 0
+    lock: Any = None  # the output folder's lock (an open file); close() releases it
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
 
     @property
     def output_dir(self) -> Path:
@@ -191,39 +199,53 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     if out.exists() and not out.is_dir():
         raise JobError(f"output.path: {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
+    lock = mf.lock_output(out)
+    try:
+        return _open_output(spec, files, ids, model_dir, key_types, fp, hashes, overwrite, lock)
+    except BaseException:
+        lock.close()
+        raise
+
+
+def _open_output(
+    spec: JobSpec,
+    files: list[InputFile],
+    ids: IdCheck,
+    model_dir: Path,
+    key_types: dict[str, pa.DataType | None],
+    fp: str,
+    hashes: dict[str, str],
+    overwrite: bool,
+    lock: Any,
+) -> JobPlan:
+    """Under the folder lock: clear (--overwrite), clean temps, check the fingerprint, recover parts."""
+    out = Path(spec.output.path)
     if overwrite:
         mf.clear_output(out)
     removed = mf.remove_temp_files(out)
     if removed:
         log.info("removed %d unfinished temp file(s) from %s", removed, out)
     manifest = mf.Manifest.load(out)
-    if manifest is not None and manifest.fingerprint != fp and not manifest.parts and not mf.part_files(out):
-        manifest = None  # an earlier attempt that committed nothing: no output to protect
     if manifest is not None and manifest.fingerprint != fp:
-        changed = [k for k in hashes if manifest.components.get(k) != hashes[k]]
-        raise JobError(
-            f"{out} holds output of a different job (changed: {', '.join(changed) or 'fingerprint'}); "
-            "use --overwrite to replace it, or a new output.path"
-        )
+        if manifest.parts or mf.part_files(out):
+            changed = [k for k in hashes if manifest.components.get(k) != hashes[k]]
+            raise JobError(
+                f"{out} holds output of a different job (changed: {', '.join(changed) or 'fingerprint'}); "
+                "use --overwrite to replace it, or a new output.path"
+            )
+        manifest = None  # an earlier attempt that committed nothing: no output to protect
     if manifest is None:
-        if mf.part_files(out):
-            foreign = mf.Manifest(out, fp, hashes, spec.input.id_column)
-            mf.recover(foreign)  # parts of this very job whose manifest write was cut; others are deleted
-            manifest = foreign if foreign.parts else None
-        if manifest is None:
-            manifest = mf.Manifest(out, fp, hashes, spec.input.id_column)
-            manifest.save()
-        recovered = len(manifest.parts)
-    else:
-        recovered, deleted = mf.recover(manifest)
-        if deleted:
-            log.warning("deleted %d part file(s) not written by this job", deleted)
+        manifest = mf.Manifest(out, fp, hashes, spec.input.id_column)
+    recovered, deleted = mf.recover(manifest)  # raises JobError for parts of another job
+    manifest.save()
+    if deleted:
+        log.warning("deleted %d unreadable part file(s); their rows will be done again", deleted)
     if recovered:
         log.info("recovered %d committed part(s) missing from the manifest", recovered)
     if manifest.parts:
         schema = existing_schema(out, manifest.parts[0].name)
         key_types = {n: schema.field(n).type if n in schema.names else t for n, t in key_types.items()}
-    return JobPlan(spec, files, ids, model_dir, manifest, manifest.finished_ids(), key_types, recovered)
+    return JobPlan(spec, files, ids, model_dir, manifest, manifest.finished_ids(), key_types, recovered, lock)
 
 
 # ---- stage 2: pending rows ----------------------------------------------------------------------------
@@ -274,7 +296,8 @@ class RequestBuilder:
     def build(self, row: Row, request_id: str) -> Request:
         text, ids = self.prompts.encode(row.values)
         if len(ids) >= self.max_model_len:
-            raise RowError(f"prompt has {len(ids)} tokens; the model allows at most {self.max_model_len - 1} (max_model_len {self.max_model_len})")
+            limit = self.max_model_len
+            raise RowError(f"prompt has {len(ids)} tokens; the model allows at most {limit - 1} (max_model_len {limit})")
         return Request(request_id, ids, self.sampling, self.constraint, text)
 
 
@@ -452,6 +475,21 @@ def run(
     """
     spec = load_job(job, overrides)
     plan = plan_inputs(spec, overwrite=overwrite)
+    try:
+        return _run_plan(plan, progress, engine_factory, on_row, on_progress, on_step)
+    finally:
+        plan.close()
+
+
+def _run_plan(
+    plan: JobPlan,
+    progress: bool,
+    engine_factory: Callable[..., Any],
+    on_row: Callable[[RowRecord], None] | None,
+    on_progress: Callable[[Progress], None] | None,
+    on_step: Callable[[Any], None] | None,
+) -> RunSummary:
+    spec = plan.spec
     out = plan.output_dir
     pending = plan.pending_count
     t0 = time.perf_counter()
@@ -493,7 +531,8 @@ def run(
         tmp_rejects.replace(rejects_path)
     finally:
         bar.close()
-    s = _summary(plan, stats.rejects, stats, time.perf_counter() - t0)
+    s = _summary(plan, stats.rejects, stats, time.perf_counter() - stats.started)
+    s = dataclasses.replace(s, load_seconds=stats.started - t0)
     log.debug("%s", s.describe())
     return s
 

@@ -143,15 +143,15 @@ def test_writer_nulls_a_kept_value_that_does_not_fit(tmp_path):
     assert "column 'title'" in df["error"][1] and df["finish_reason"][1] == "error"
 
 
-def test_recover_adds_unrecorded_part_of_this_job_and_deletes_foreign_ones(tmp_path):
+def test_recover_adds_unrecorded_part_of_this_job_and_deletes_torn_ones(tmp_path):
     m, w = _writer(tmp_path / "out", rows_per_part=2)
     for i in range(4):
         w.add(_row(i))
     # simulate a kill between rename and manifest write: drop the last part from the manifest
     m.parts = m.parts[:1]
     m.save()
-    # a part from another job, a stray temp file, a torn manifest temp
-    pq.write_table(pa.table({"id": [99]}), m.folder / "part-000007.parquet")
+    # an unreadable part, a stray temp file, a torn manifest temp
+    (m.folder / "part-000007.parquet").write_bytes(b"PAR1 torn")
     (m.folder / f"{mf.TMP_PREFIX}part-000008.parquet.tmp").write_bytes(b"partial")
     (m.folder / ".manifest.json.tmp").write_text("{")
     assert mf.remove_temp_files(m.folder) == 2
@@ -159,8 +159,16 @@ def test_recover_adds_unrecorded_part_of_this_job_and_deletes_foreign_ones(tmp_p
     assert mf.recover(fresh) == (1, 1)
     assert [p.name for p in fresh.parts] == ["part-000000.parquet", "part-000001.parquet"]
     assert set(fresh.finished_ids().to_list()) == {"0", "1", "2", "3"}
-    assert mf.Manifest.load(m.folder).parts == fresh.parts
     assert not (m.folder / "part-000007.parquet").exists()
+
+
+def test_recover_refuses_a_part_of_another_job(tmp_path):
+    m, w = _writer(tmp_path / "out", rows_per_part=1)
+    w.add(_row(1))
+    pq.write_table(pa.table({"id": [99]}), m.folder / "part-000007.parquet")
+    with pytest.raises(JobError, match="part-000007.parquet is not output of this job"):
+        mf.recover(mf.Manifest.load(m.folder))
+    assert (m.folder / "part-000007.parquet").exists()
 
 
 def test_recover_forgets_parts_missing_on_disk(tmp_path):

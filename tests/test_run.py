@@ -247,3 +247,43 @@ def test_part_renamed_but_not_in_the_manifest_is_recovered_not_duplicated(tiny_m
     assert s.recovered_parts == 1 and s.this_run_rows == 4
     ids = read_out(tmp_path)["doc_id"]
     assert sorted(ids.to_list()) == list(range(12))
+
+
+def test_two_runs_on_one_output_folder_are_refused(tiny_model, tmp_path, engines):
+    from batchinfer.io.manifest import lock_output
+
+    pq.write_table(pa.Table.from_pylist(docs(2)), tmp_path / "in.parquet")
+    (tmp_path / "out").mkdir()
+    held = lock_output(tmp_path / "out")
+    with pytest.raises(JobError, match="another batchinfer run is writing"):
+        run(job(tiny_model, tmp_path, str(tmp_path / "in.parquet")), engine_factory=engines)
+    held.close()
+    assert run(job(tiny_model, tmp_path, str(tmp_path / "in.parquet")), engine_factory=engines).this_run_rows == 2
+
+
+def test_any_sequence_of_crashes_then_resume_is_exactly_once(tiny_model, engines):
+    """Property: crash after any number of results, any part size, any number of times; then finish."""
+    import tempfile
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=6, deadline=None)
+    @given(n=st.integers(3, 18), per_part=st.integers(1, 5), crashes=st.lists(st.integers(0, 12), max_size=3))
+    def check(n, per_part, crashes):
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            pq.write_table(pa.Table.from_pylist(docs(n)), tmp / "in.parquet")
+            j = job(tiny_model, tmp, str(tmp / "in.parquet"), output={"rows_per_part": per_part})
+            for after in crashes:
+                try:
+                    run(j, engine_factory=lambda spec, on_step=None: FailingEngine(engines(spec), after))
+                except RuntimeError:
+                    pass
+                if list((tmp / "out").glob("*.parquet")):
+                    ids = read_out(tmp)["doc_id"]
+                    assert ids.n_unique() == ids.len()
+            run(j, engine_factory=engines)
+            assert sorted(read_out(tmp)["doc_id"].to_list()) == list(range(n))
+
+    check()

@@ -1,13 +1,14 @@
 """The output folder's manifest: which part files are committed, and the job's fingerprint.
 
 Commit protocol (exactly once across kill -9 at any moment):
-  1. a part is written as `_tmp.part-N.parquet`, fsynced, then os.replace'd to `part-N.parquet`
+  1. a part is written as `_tmp.part-N.parquet.tmp`, fsynced, then os.replace'd to `part-N.parquet`
      (the folder is fsynced too); the part carries the job fingerprint in its Parquet metadata;
   2. the manifest (`_manifest.json`) is rewritten atomically (temp file, fsync, os.replace) with the
      part added.
 A kill between 1 and 2 leaves a committed-but-unrecorded part. On start we RECOVER it: a complete
 `part-*.parquet` (it can only exist complete, because of the rename) with our fingerprint is added to
-the manifest; one that is unreadable or from another fingerprint is deleted. Its rows were pending
+the manifest; an unreadable one is deleted; one of another fingerprint stops the run (never deleted
+without --overwrite). A recovered part's rows were pending
 when it was written, so they are in no other part: recovering it never duplicates a row. Stray temp
 files (`_tmp.*`, `.*.tmp`) are deleted. Finished ids come from the recorded parts (polars lazy scan).
 """
@@ -29,6 +30,7 @@ import pyarrow.parquet as pq
 log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
+LOCK = "_lock"
 REJECTS = "_rejects.jsonl"
 TMP_PREFIX = "_tmp."
 PART_RE = re.compile(r"^part-(\d{6})\.parquet$")
@@ -169,7 +171,11 @@ def remove_temp_files(folder: Path) -> int:
 
 
 def recover(manifest: Manifest) -> tuple[int, int]:
-    """Add committed-but-unrecorded parts with our fingerprint; delete the others. Returns (recovered, deleted)."""
+    """Add committed-but-unrecorded parts carrying our fingerprint; delete unreadable ones.
+
+    Returns (recovered, deleted). A readable part of another job is never deleted: JobError.
+    The caller saves the manifest.
+    """
     known = {p.name for p in manifest.parts}
     recovered = deleted = 0
     for name in part_files(manifest.folder):
@@ -181,25 +187,40 @@ def recover(manifest: Manifest) -> tuple[int, int]:
             fp = (meta.metadata or {}).get(FINGERPRINT_KEY, b"").decode()
             errors = None
             if fp == manifest.fingerprint:
-                col = pl.scan_parquet(str(path)).select(pl.col("error").is_not_null().sum()).collect().item()
-                errors = int(col)
-        except Exception as e:  # unreadable part: it was never fully ours
+                errors = int(pl.scan_parquet(str(path)).select(pl.col("error").is_not_null().sum()).collect().item())
+        except Exception as e:  # unreadable: the rename protocol means it was never a complete part of ours
             log.warning("deleting unreadable part %s: %s", path, e)
-            fp, errors = "", None
-        if errors is None:
             path.unlink()
             deleted += 1
             continue
+        if errors is None:
+            from batchinfer.job import JobError
+
+            raise JobError(f"{path} is not output of this job (different fingerprint); use --overwrite or a new output.path")
         manifest.parts.append(PartInfo(name, meta.num_rows, errors))
         recovered += 1
     missing = [p for p in manifest.parts if not (manifest.folder / p.name).exists()]
     for p in missing:
         log.warning("part %s is in the manifest but missing; its rows will be done again", p.name)
-    if missing:
-        manifest.parts = [p for p in manifest.parts if p not in missing]
-    if recovered or missing:
-        manifest.parts.sort(key=lambda p: p.name)
-        manifest.save()
+    manifest.parts = sorted((p for p in manifest.parts if p not in missing), key=lambda p: p.name)
     if deleted:
         fsync_dir(manifest.folder)
     return recovered, deleted
+
+
+def lock_output(folder: Path):
+    """Hold an exclusive lock on the output folder for one run (two runs would write the same rows).
+
+    The lock is released when the returned file is closed or the process dies (even by kill -9).
+    """
+    import fcntl
+
+    fh = open(folder / LOCK, "a+")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        from batchinfer.job import JobError
+
+        raise JobError(f"another batchinfer run is writing to {folder}; wait for it to finish") from None
+    return fh

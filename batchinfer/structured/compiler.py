@@ -7,10 +7,10 @@ schema, so together they cover more schemas than any one library. Compiled forms
 can serialise (xgrammar, outlines-core) are cached on disk, keyed by constraint, backend, library
 version and vocabulary fingerprint.
 
-AUTO_ORDER comes from `batchinfer bench grammar` on 200 MaskBench schemas with the Qwen
-vocabulary (see the structured-output report): llguidance compiles and passes the most schemas
-and compiles in about a millisecond; xgrammar catches most of the rest; outlines-core is last
-(slow, memory-hungry compile) and only tried for short regexes.
+AUTO_ORDER comes from `bench grammar` on 200 MaskBench schemas, Qwen 151k vocabulary, this CPU:
+llguidance compiled 162 and passed all 162 (compile p50 6 ms); xgrammar compiled 175, passed 173
+but compiles slowly (p50 0.75 s, p90 4 s); llguidance-relaxed compiled 199, passed 195;
+outlines-core compiled 124, passed 114. In this order auto compiled 200/200 and passed 196.
 """
 
 from __future__ import annotations

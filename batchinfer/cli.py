@@ -37,8 +37,15 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (JobError, InputError, ModelLoadError, GrammarError)
 
 
-def _setup_logging(quiet: bool) -> None:
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def _setup_logging(quiet: bool, level: str | None = None) -> None:
+    """Log lines go to stderr; --log-level wins over --quiet (which means warning)."""
+    if level is not None and level.lower() not in LOG_LEVELS:
+        raise _fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {level!r}", EXIT_INVALID)
+    lvl = LOG_LEVELS[level.lower()] if level is not None else (logging.WARNING if quiet else logging.INFO)
+    logging.basicConfig(level=lvl, format="%(message)s", stream=sys.stderr, force=True)
 
 
 def _fail(msg: str, code: int) -> "typer.Exit":
@@ -53,13 +60,35 @@ def run(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace output of a different job in output.path"),
     max_error_rate: float = typer.Option(0.0, "--max-error-rate", min=0.0, max=1.0, help="exit 3 if a larger share of rows has errors"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or log lines; only the summary and errors"),
+    metrics_port: Optional[int] = typer.Option(
+        None, "--metrics-port", min=0, max=65535, help="serve live Prometheus metrics on 127.0.0.1:PORT/metrics during the run"
+    ),
+    metrics_textfile: Optional[Path] = typer.Option(
+        None, "--metrics-textfile", help="write the run's metrics as a node-exporter textfile (.prom) at the end"
+    ),
+    log_token_ids: bool = typer.Option(
+        False, "--log-token-ids", help="write every row's prompt and output token ids to OUTPUT/_token_ids/"
+    ),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="write a torch profiler trace of a few engine steps to DIR"),
+    log_level: Optional[str] = typer.Option(
+        None, "--log-level", help="debug | info | warning | error (default: info; warning with --quiet)"
+    ),
+    executor: str = typer.Option(
+        "local", "--executor", help="local: this host (engine.data_parallel engines); ray: a Ray cluster (pip install 'batchinfer[ray]')"
+    ),
 ) -> None:
-    """Run a job: stream the input through the model into Parquet; resumes where a previous run stopped."""
+    """Run a job: stream the input through the model into Parquet; resumes where a previous run stopped.
+
+    Beside the output it writes `_report.json` and `_report.html` (see `batchinfer report`).
+    """
     from batchinfer.run import run as run_job
 
-    _setup_logging(quiet)
+    _setup_logging(quiet, log_level)
     try:
-        summary = run_job(job, overrides=set_ or [], overwrite=overwrite, progress=not quiet)
+        summary = run_job(
+            job, overrides=set_ or [], overwrite=overwrite, progress=not quiet, metrics_port=metrics_port,
+            metrics_textfile=metrics_textfile, log_token_ids=log_token_ids, trace_dir=trace, executor=executor,
+        )
     except _user_errors() as e:
         raise _fail(str(e), EXIT_INVALID) from None
     except KeyboardInterrupt:
@@ -112,6 +141,24 @@ def _device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@app.command()
+def report(
+    out_dir: Path = typer.Argument(..., help="a job's output folder", show_default=False),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug | info | warning | error (default: warning)"),
+) -> None:
+    """Print a finished (or dead) run's summary again and rewrite its `_report.json` / `_report.html`."""
+    from batchinfer.observe import report_command
+
+    _setup_logging(True, log_level)
+    try:
+        text = report_command(out_dir)
+    except FileNotFoundError as e:
+        raise _fail(str(e), EXIT_INVALID) from None
+    except _user_errors() as e:  # e.g. an unreadable manifest
+        raise _fail(str(e), EXIT_INVALID) from None
+    typer.echo(text)
 
 
 @app.command()

@@ -174,6 +174,11 @@ def _engine_spec_model() -> type[BaseModel]:
         if f.name in ("model", "dtype", "max_model_len"):
             continue
         fields[f.name] = (hints[f.name], f.default)
+    # Not an EngineConfig field (that is one engine): how many engines run the job, one per GPU.
+    fields["data_parallel"] = (
+        typing.Annotated[int, Field(ge=1)] | Literal["auto"],
+        Field(1, description="engine processes, one per GPU of the host; auto: one per visible GPU (1 on CPU)"),
+    )
     model = create_model("EngineSpec", __config__=_STRICT, __doc__="Engine settings (EngineConfig fields).", **fields)
     return model
 
@@ -205,7 +210,7 @@ class JobSpec(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         """The engine's config; structured.backend picks the grammar backend unless engine.grammar_backend does."""
-        fields = self.engine.model_dump()
+        fields = self.engine.model_dump(exclude={"data_parallel"})
         if self.structured is not None and self.structured.backend != "auto" and fields.get("grammar_backend") == "auto":
             fields["grammar_backend"] = self.structured.backend
         return EngineConfig(model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len, **fields)

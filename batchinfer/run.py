@@ -27,11 +27,15 @@ from batchinfer.io import manifest as mf
 from batchinfer.io.ids import IdCheck, check_ids
 from batchinfer.io.model_files import model_components
 from batchinfer.io.readers import InputError, InputFile, Reject, Row, input_columns, iter_rows, list_input_files
-from batchinfer.io.writer import PartWriter, existing_schema, output_schema
+from batchinfer.io.writer import RESULT_FIELDS, PartWriter, existing_schema, output_schema
 from batchinfer.job import JobError, JobSpec, load_job
+from batchinfer.observe import ObserveOptions, Observer, row_metrics
 from batchinfer.prompts import PromptBuilder, RowError
 
 log = logging.getLogger(__name__)
+
+
+_RESULT_NAMES = frozenset(f.name for f in RESULT_FIELDS)
 
 
 class RunError(RuntimeError):
@@ -72,6 +76,7 @@ class RunSummary:
     load_seconds: float = 0.0  # loading the engine (model, KV cache)
     nothing_to_do: bool = False
     recovered_parts: int = 0
+    report_path: str | None = None  # the run's `_report.html`, when one was written
 
     @property
     def error_rate(self) -> float:
@@ -91,6 +96,8 @@ class RunSummary:
         tail = f"\noutput holds {self.rows_done} of {self.input_rows} rows; {self.error_rows} with errors"
         if self.rejects:
             tail += f"; {self.rejects} input lines rejected (see {Path(self.output_path) / mf.REJECTS})"
+        if self.report_path:
+            tail += f"\nreport: {self.report_path}"
         return head + tail
 
 
@@ -318,6 +325,7 @@ class ResultConverter:
     def error_row(self, meta: RowMeta, message: str) -> dict[str, Any]:
         row = dict(meta.keys)
         row.update(output_text=None, finish_reason="error", prompt_tokens=meta.prompt_tokens, completion_tokens=0, error=message)
+        row.update(row_metrics(None))  # never reached the engine: no timings
         if self.schema is not None:
             row["output"] = None
         return row
@@ -331,6 +339,7 @@ class ResultConverter:
             completion_tokens=result.completion_tokens,
             error=result.error,
         )
+        out.update(row_metrics(result))  # queue_wait_s, ttft_s, decode_s
         if result.finish_reason == "error" and not out["error"]:
             out["error"] = "the engine failed this row without a message"
         if self.constraint is not None and result.finish_reason != "error":
@@ -400,13 +409,13 @@ def execute(
     inflight: dict[str, RowMeta] = {}
 
     def finish(row: dict[str, Any], record: RowRecord) -> None:
+        if on_row:  # before writer.add: a part committed by it then has its rows' records flushed with it
+            on_row(record)
         writer.add(row)
         progress.rows += 1
         progress.errors += row["error"] is not None
         progress.prompt_tokens += record.prompt_tokens
         progress.completion_tokens += record.completion_tokens
-        if on_row:
-            on_row(record)
         if on_progress:
             on_progress(progress)
 
@@ -466,19 +475,113 @@ def run(
     on_row: Callable[[RowRecord], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     on_step: Callable[[Any], None] | None = None,
+    *,
+    metrics_port: int | None = None,
+    metrics_textfile: str | Path | None = None,
+    log_token_ids: bool = False,
+    trace_dir: str | Path | None = None,
+    report: bool = True,
+    executor: str = "local",
 ) -> RunSummary:
     """Run a batch job (path, dict or JobSpec) to completion and return its summary.
 
     progress: show a tqdm bar on stderr (only when it is a terminal; the CLI turns it on). on_row gets a RowRecord per
     finished row, on_progress the running counters, on_step the engine's per-step stats. Raises JobError/InputError for a
     job that cannot run, RunError (or the engine's exception) when the run fails.
+
+    Observability (batchinfer.observe): step and row records are always kept beside the output, and
+    report writes `_report.json` / `_report.html` there at the end. metrics_port serves live Prometheus
+    metrics on 127.0.0.1 during the run (0: any free port), metrics_textfile writes a node-exporter
+    textfile at the end, log_token_ids writes the `_token_ids/` sidecar, trace_dir a profiler trace.
     """
     spec = load_job(job, overrides)
+    observe = observe_options(spec, metrics_port, metrics_textfile, log_token_ids, trace_dir, report)
+    runner = pending_runner(spec, executor)
     plan = plan_inputs(spec, overwrite=overwrite)
     try:
-        return _run_plan(plan, progress, engine_factory, on_row, on_progress, on_step)
+        return _run_plan(plan, progress, engine_factory, on_row, on_progress, on_step, observe, runner)
     finally:
         plan.close()
+
+
+def observe_options(
+    spec: JobSpec,
+    metrics_port: int | None = None,
+    metrics_textfile: str | Path | None = None,
+    log_token_ids: bool = False,
+    trace_dir: str | Path | None = None,
+    report: bool = True,
+) -> ObserveOptions:
+    """The run's ObserveOptions (records and report in output.path); checked before anything loads."""
+    if metrics_textfile is not None:
+        tf = Path(metrics_textfile)
+        if tf.is_dir():
+            raise JobError(f"--metrics-textfile {tf}: is a folder; give a file path (e.g. {tf / 'batchinfer.prom'})")
+        if not tf.parent.is_dir():
+            raise JobError(f"--metrics-textfile {tf}: folder {tf.parent} does not exist")
+    if trace_dir is not None and Path(trace_dir).exists() and not Path(trace_dir).is_dir():
+        raise JobError(f"--trace {trace_dir}: is a file, not a folder")
+    try:
+        return ObserveOptions(
+            out_dir=Path(spec.output.path),
+            metrics_port=metrics_port,
+            metrics_textfile=Path(metrics_textfile) if metrics_textfile is not None else None,
+            log_token_ids=log_token_ids,
+            trace_dir=Path(trace_dir) if trace_dir is not None else None,
+            report=report,
+        )
+    except ValueError as e:
+        raise JobError(f"--metrics-port: {e}") from None
+
+
+def _chain(*callbacks: Callable[[Any], None] | None) -> Callable[[Any], None] | None:
+    """One callback calling each given one in order (None when none is given)."""
+    fns = [f for f in callbacks if f is not None]
+    if len(fns) <= 1:
+        return fns[0] if fns else None
+
+    def call(x: Any) -> None:
+        for f in fns:
+            f(x)
+
+    return call
+
+
+def _start_observer(options: ObserveOptions | None) -> Observer | None:
+    """The run's Observer; a port that cannot be served is the user's error (JobError, exit 2)."""
+    if options is None:
+        return None
+    try:
+        return Observer(options)
+    except OSError as e:
+        raise JobError(str(e)) from None
+
+
+def _flush_records(obs: Observer) -> None:
+    """After an output part is committed: write the run records with it (a kill then loses neither)."""
+    try:
+        obs.flush()
+    except Exception as e:  # records are a by-product; the output must go on
+        log.warning("could not write run records: %s", e)
+
+
+def _finish_observer(obs: Observer, plan: JobPlan, s: RunSummary) -> RunSummary:
+    """Close the observer (report, textfile, trace). The output is committed: a failure here is logged, not raised."""
+    facts = {
+        "config": plan.spec.model_dump(mode="json"),
+        "fingerprint": plan.manifest.fingerprint,
+        "components": dict(plan.manifest.components),
+        "summary": dataclasses.asdict(s),
+    }
+    try:
+        obs.close(facts)
+    except Exception as e:
+        log.error("the run's output is complete, but writing its report/metrics failed: %s: %s", type(e).__name__, e)
+    if obs.report is not None:
+        from batchinfer.observe.report import REPORT_HTML
+
+        s = dataclasses.replace(s, report_path=str(plan.output_dir / REPORT_HTML))
+    return s
 
 
 def _run_plan(
@@ -488,8 +591,9 @@ def _run_plan(
     on_row: Callable[[RowRecord], None] | None,
     on_progress: Callable[[Progress], None] | None,
     on_step: Callable[[Any], None] | None,
+    observe: ObserveOptions | None = None,
+    runner: Callable[..., RunSummary] | None = None,
 ) -> RunSummary:
-    spec = plan.spec
     out = plan.output_dir
     pending = plan.pending_count
     t0 = time.perf_counter()
@@ -499,6 +603,54 @@ def _run_plan(
         s = _summary(plan, rejects, Progress(), 0.0, nothing_to_do=True)
         log.debug("%s", s.describe())
         return s
+    obs = _start_observer(observe)
+    if obs is None:
+        return (runner or _run_pending)(plan, pending, t0, progress, engine_factory, on_row, on_progress, on_step, None)
+    try:
+        s = (runner or _run_pending)(
+            plan, pending, t0, progress, engine_factory, _chain(obs.on_row, on_row), on_progress,
+            _chain(obs.on_step, on_step), lambda part: _flush_records(obs),
+        )
+    except BaseException:
+        try:
+            obs.abort()  # keep the records (a resume's report includes them), free the port
+        except Exception as e:  # the run's own failure matters more
+            log.warning("observer: %s", e)
+        raise
+    return _finish_observer(obs, plan, s)
+
+
+def pending_runner(spec: JobSpec, executor: str = "local") -> Callable[..., RunSummary] | None:
+    """Who runs the pending rows (same arguments as _run_pending): None is one engine in this process;
+    engine.data_parallel > 1 a process per GPU (executors/data_parallel.py); "ray" a Ray cluster."""
+    if executor == "ray":
+        from batchinfer.executors.ray_executor import ray_runner
+
+        return ray_runner(spec)
+    if executor != "local":
+        raise JobError(f"--executor {executor!r}: use local or ray")
+    if spec.engine.data_parallel == 1:
+        return None
+    from batchinfer.executors.data_parallel import data_parallel_runner
+
+    return data_parallel_runner(spec)
+
+
+def _run_pending(
+    plan: JobPlan,
+    pending: int,
+    t0: float,
+    progress: bool,
+    engine_factory: Callable[..., Any],
+    on_row: Callable[[RowRecord], None] | None,
+    on_progress: Callable[[Progress], None] | None,
+    on_step: Callable[[Any], None] | None,
+    on_commit: Callable[[Any], None] | None,
+) -> RunSummary:
+    """Load the engine and do the pending rows (the part of a run the observer watches)."""
+    spec = plan.spec
+    out = plan.output_dir
+    rejects_path = out / mf.REJECTS
     log.info("%d of %d rows to do (%d already in %s)", pending, plan.ids.num_rows, plan.ids.num_rows - pending, out)
     constraint = spec.structured.constraint() if spec.structured else None
     engine = engine_factory(spec, on_step=on_step)
@@ -506,7 +658,10 @@ def _run_plan(
     builder = RequestBuilder(spec, engine.tokenizer, max_len, constraint)
     converter = ResultConverter(spec, constraint)
     columns = output_schema(plan.key_types, converter.output_type)
-    writer = PartWriter(plan.manifest, columns, spec.output.rows_per_part, spec.output.seconds_per_part)
+    if plan.manifest.parts:  # resume output written before a column existed: keep the parts' schema
+        names = set(existing_schema(out, plan.manifest.parts[0].name).names)
+        columns = {k: v for k, v in columns.items() if k in names or k not in _RESULT_NAMES}
+    writer = PartWriter(plan.manifest, columns, spec.output.rows_per_part, spec.output.seconds_per_part, on_commit)
     needed = sorted(set(builder.key_names) | set(builder.prompts.columns))
     stats = Progress()
     bar = _progress_bar(pending, progress and sys.stderr.isatty())

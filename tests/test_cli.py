@@ -38,7 +38,7 @@ def job_file(tiny_model, tmp_path):
     return p
 
 
-@pytest.mark.parametrize("cmd", [[], ["run"], ["validate"], ["plan"], ["demo-model"]])
+@pytest.mark.parametrize("cmd", [[], ["run"], ["validate"], ["plan"], ["report"], ["demo-model"]])
 def test_help_everywhere(cmd):
     r = invoke(*cmd, "--help")
     assert r.exit_code == 0 and "Usage" in r.output

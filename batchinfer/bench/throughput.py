@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import statistics
 import tempfile
@@ -37,6 +38,58 @@ def _param_counts(info) -> tuple[int, int]:
     return layer, info.num_params or layer + 2 * info.vocab_size * h
 
 
+PROFILE_ENV = "BATCHINFER_PROFILE_DIR"  # a folder: profile a window of steps into it
+PROFILE_START_ENV = "BATCHINFER_PROFILE_START"  # steps of the measured run before the window
+
+
+class StepWindowProfiler:
+    """A torch profiler over `num_steps` engine steps after `start_step` steps of the measured run.
+
+    Writes a chrome trace and two text tables (top ops by CUDA time and by CPU time) to `out_dir`
+    and prints the CUDA table's head: where a step's time goes, on the device and on the host.
+    """
+
+    def __init__(self, out_dir: Path, start_step: int = 60, num_steps: int = 5) -> None:
+        self.out_dir, self.start_step, self.num_steps = out_dir, start_step, num_steps
+        self.seen = 0
+        self.prof: torch.profiler.profile | None = None
+        self.done = False
+
+    def on_step(self, _stats) -> None:
+        self.seen += 1
+        if self.done:
+            return
+        if self.prof is None and self.seen == self.start_step:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=False)
+            self.prof.start()
+        elif self.prof is not None and self.seen >= self.start_step + self.num_steps:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.prof is None or self.done:
+            return
+        self.done = True
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.stop()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.prof.export_chrome_trace(str(self.out_dir / "trace.json"))
+        avg = self.prof.key_averages()
+        tables = {}
+        for key in ("cuda_time_total", "cpu_time_total", "self_cpu_time_total"):
+            try:
+                tables[key] = avg.table(sort_by=key, row_limit=30)
+            except Exception as exc:  # no CUDA activity on a CPU run
+                tables[key] = f"({key}: {exc})"
+            (self.out_dir / f"top-{key}.txt").write_text(tables[key] + "\n", encoding="utf-8")
+        print(f"profile of {self.num_steps} steps after step {self.start_step}:")
+        print(tables["cuda_time_total"])
+        print(tables["self_cpu_time_total"])
+
+
 def run_throughput(
     model: str,
     workload: str,
@@ -44,8 +97,13 @@ def run_throughput(
     scale: float = 1.0,
     cache_dir: Path | None = None,
     data_parallel: int | None = None,
+    profile_dir: Path | None = None,
 ) -> dict:
-    """Run `workload` on `model` (a shape name or folder); return the numbers as a dict."""
+    """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
+
+    profile_dir (or the BATCHINFER_PROFILE_DIR variable): profile a few steps of the measured run
+    (after BATCHINFER_PROFILE_START steps, default 60) into that folder.
+    """
     from batchinfer.engine.engine import Engine
 
     if data_parallel not in (None, 1):
@@ -58,8 +116,15 @@ def run_throughput(
     if engine_overrides:
         cfg = replace(cfg, **engine_overrides)
     steps: list = []
+    profiler: StepWindowProfiler | None = None
+
+    def on_step(stats) -> None:
+        steps.append(stats)
+        if profiler is not None:
+            profiler.on_step(stats)
+
     t_load = time.perf_counter()
-    engine = Engine(cfg, on_step=steps.append)
+    engine = Engine(cfg, on_step=on_step)
     load_s = time.perf_counter() - t_load
     info = engine.model_info
     wl = make_workload(workload, info.vocab_size, scale=scale)
@@ -70,12 +135,17 @@ def run_throughput(
     warm = make_workload(workload, info.vocab_size, seed=1, scale=min(scale, 0.02))
     list(engine.generate(warm.requests[:4]))
     steps.clear()
+    profile_dir = profile_dir or (Path(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None)
+    if profile_dir is not None:
+        profiler = StepWindowProfiler(profile_dir, start_step=int(os.environ.get(PROFILE_START_ENV, "60")))
 
     t0 = time.perf_counter()
     results = list(engine.generate(wl.requests))
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.finish()
 
     ok = [r for r in results if r.finish_reason != "error"]
     prompt_lens = [r.prompt_tokens for r in ok]

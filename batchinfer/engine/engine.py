@@ -161,10 +161,10 @@ class Engine:
         if step.seqs:
             batch = self.runner.prepare(step.seqs, step.num_tokens, step.samples)
             t1 = time.perf_counter()
-            hidden = self.runner.forward(batch)  # asynchronous on a GPU: masks are built meanwhile
+            logits = self.runner.forward(batch)  # asynchronous on a GPU: masks are built meanwhile
             bans = [self._bans(s) for s in sampling]
             bitmask = self._bitmask(sampling)
-            tokens = self.runner.sample(hidden, sampling, bans, bitmask)
+            tokens = self.runner.sample(logits, sampling, bans, bitmask)
         self.scheduler.complete_step(step)
         now = time.perf_counter()
         finished = [seq for seq, token in zip(sampling, tokens) if self._append(seq, token, now)]

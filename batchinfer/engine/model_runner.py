@@ -3,8 +3,8 @@
 For a step it packs the scheduled chunks into flat input_ids/positions, builds the slot mapping and
 block tables (vectorised with numpy), runs the model, keeps the hidden state of the last token of
 each sequence that samples this step, computes logits, applies the per-row bans (min_tokens) and the
-grammar bitmask, and samples. Decode-only steps go through `_forward_decode`, kept separate so that
-CUDA graphs can be added there.
+grammar bitmask, and samples. Decode-only steps on a GPU replay a CUDA graph captured at start-up
+(engine/cuda_graphs.py; `EngineConfig.cuda_graphs` turns them off); other steps run eagerly.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ import torch
 from batchinfer.attention import get_attention_backend
 from batchinfer.attention.base import AttentionMetadata
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.cuda_graphs import DecodeGraphs
 from batchinfer.engine.kv_cache import allocate_kv_cache, kv_block_bytes
 from batchinfer.engine.request import SamplingParams
-from batchinfer.engine.sampler import ban_tokens_, make_sampling_batch, sample
+from batchinfer.engine.sampler import SamplingBatch, ban_tokens_, make_sampling_batch, sample
+
+_MASK32 = 0xFFFFFFFF
 from batchinfer.engine.sequence import Sequence
 from batchinfer.models.loader import load_model
 
@@ -34,6 +37,22 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but no CUDA GPU is available")
     return dev
+
+
+def block_table(tables: Seq[Seq[int]], width: int) -> np.ndarray:
+    """int32 [len(tables), width]: row b holds tables[b] (cut at width), padded with 0.
+
+    One C-level pass over all block ids (np.fromiter), then a masked scatter: a Python loop over
+    rows cost ~1 ms per step at 256 sequences.
+    """
+    counts = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+    table = np.zeros((len(tables), width), dtype=np.int32)
+    if counts.size and counts.max() > width:
+        tables = [t[:width] for t in tables]
+        counts = np.minimum(counts, width)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(counts.sum()))
+    table[np.arange(width)[None, :] < counts[:, None]] = flat
+    return table
 
 
 @dataclass
@@ -65,6 +84,33 @@ class ModelRunner:
         self.vocab_size = self.info.vocab_size
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate(self.num_blocks)
+        self.graphs: DecodeGraphs | None = None
+        if self._graphs_usable():
+            self.graphs = DecodeGraphs(self._logits_all, config.max_num_seqs, self.max_blocks_per_seq, self.device)
+            self.graphs.capture()
+        if self.device.type == "cuda":
+            self._warm_up_sampling()
+
+    @torch.inference_mode()
+    def _warm_up_sampling(self) -> None:
+        """Draw once at every ladder batch size, greedy and sampled, so that any kernel compile or
+        autotuning happens at start-up instead of in the middle of a run."""
+        from batchinfer.engine.cuda_graphs import graph_batch_sizes
+
+        for bs in graph_batch_sizes(self.config.max_num_seqs):
+            logits = torch.randn(bs, self.vocab_size, device=self.device)
+            for temperature in (0.0, 1.0):
+                sb = make_sampling_batch([SamplingParams(temperature=temperature)] * bs, [0] * bs, [0] * bs, self.device)
+                sample(logits, sb)
+        torch.cuda.synchronize(self.device)
+
+    def _graphs_usable(self) -> bool:
+        """CUDA graphs need a GPU and a graph-safe attention backend (the torch one loops on the host)."""
+        return self.config.cuda_graphs and self.device.type == "cuda" and self.attention.name == "triton"
+
+    def _logits_all(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The body of a decode graph: the model and the LM head over every row."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     # --- KV cache sizing --------------------------------------------------------------------
 
@@ -141,10 +187,7 @@ class ModelRunner:
         positions = np.arange(total, dtype=np.int64) - cu[row] + starts_np[row]
         seq_lens = starts_np + lens_np
         width = max(1, int(-(-seq_lens.max() // bs)))
-        table = np.zeros((len(lens), width), dtype=np.int32)
-        for b, blocks in enumerate(tables):
-            n = min(len(blocks), width)
-            table[b, :n] = blocks[:n]
+        table = block_table(tables, width)
         slots = table[row, positions // bs].astype(np.int64) * bs + positions % bs
         flat_ids = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
         sample_index = (cu[1:] - 1)[np.asarray(samples, dtype=bool)]
@@ -178,41 +221,39 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
-    def _forward_decode(self, batch: StepBatch) -> torch.Tensor:
-        """Decode-only steps (one token per sequence): the place for CUDA graphs."""
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-
-    @torch.inference_mode()
-    def _forward_mixed(self, batch: StepBatch) -> torch.Tensor:
-        """Steps with prefill chunks (and maybe decodes): run eagerly."""
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+    def uses_graph(self, batch: StepBatch) -> bool:
+        """Decode-only steps (every row samples) of at most the largest captured size replay a graph."""
+        g = self.graphs
+        n = batch.input_ids.shape[0]
+        return g is not None and batch.meta.decode_only and n <= g.max_batch_size and batch.sample_index.shape[0] == n
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Run the model on a packed step; hidden states [num_sampling, H] of the rows that sample.
+        """Run the model on a packed step; float32 logits [num_sampling, V] of the rows that sample.
 
-        On a GPU this only launches work, so the caller can fill grammar bitmasks meanwhile.
+        On a GPU this only launches work, so the caller can fill grammar bitmasks meanwhile. A graph
+        step returns the graph's output buffer: sample from it before the next forward.
         """
-        hidden = self._forward_decode(batch) if batch.meta.decode_only else self._forward_mixed(batch)
-        return hidden.index_select(0, batch.sample_index)
+        if self.uses_graph(batch):
+            return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        return self.model.compute_logits(hidden.index_select(0, batch.sample_index))
 
     @torch.inference_mode()
     def sample(
         self,
-        hidden: torch.Tensor,
+        logits: torch.Tensor,
         sampling: Seq[Sequence],
         bans: Seq[list[int]] | None = None,
         bitmask: torch.Tensor | None = None,
     ) -> list[int]:
-        """Logits of the sampling rows, bans, grammar mask, then one token per row (in order).
+        """Bans and grammar mask on the sampling rows' logits, then one token per row (in order).
 
         bans[i]: token ids forbidden for sampling[i] (min_tokens); bitmask: int32 CPU
         [len(sampling), ceil(V/32)] from the grammar matchers (rows without a grammar all -1) or None.
         """
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden)
         if bans:
             rows = [i for i, b in enumerate(bans) if b]
             if rows:
@@ -221,9 +262,40 @@ class ModelRunner:
             from batchinfer.structured.bitmask import apply_token_bitmask_
 
             apply_token_bitmask_(logits, bitmask.to(self.device, non_blocking=True))
-        params = [s.request.sampling for s in sampling]
-        sb = make_sampling_batch(params, [s.seed for s in sampling], [s.num_generated for s in sampling], self.device)
-        return sample(logits, sb).tolist()
+        return sample(logits, self.sampling_batch(sampling)).tolist()
+
+    def sampling_batch(self, sampling: Seq[Sequence]) -> SamplingBatch:
+        """make_sampling_batch for sequences, from rows each sequence computes once (its seed folded,
+        its parameters resolved), stacked with numpy: the per-row Python of make_sampling_batch
+        cost ~1 ms per step at 256 rows."""
+        rows = []
+        for s in sampling:
+            if s.sampling_row is None:
+                one = make_sampling_batch([s.request.sampling], [s.seed], [0], "cpu")
+                s.sampling_row = (
+                    float(one.temperature[0]), float(one.top_p[0]), float(one.min_p[0]),
+                    int(one.top_k[0]), int(one.seeds[0]), bool(one.greedy[0]),
+                )
+            rows.append(s.sampling_row)
+        cols = list(zip(*rows))
+        floats = np.array(cols[:3], dtype=np.float32)
+        steps = np.fromiter((s.num_generated for s in sampling), dtype=np.int64, count=len(sampling)) & _MASK32
+        greedy = np.array(cols[5], dtype=bool)
+        ints = np.stack([np.array(cols[3], dtype=np.int64), np.array(cols[4], dtype=np.int64), steps, greedy.astype(np.int64)])
+        f_dev, i_dev = self._to_device(floats), self._to_device(ints)
+        top_k, top_p, min_p = ints[0], floats[1], floats[2]
+        sampled = ~greedy
+        return SamplingBatch(
+            temperature=f_dev[0], top_p=f_dev[1], min_p=f_dev[2],
+            top_k=i_dev[0], seeds=i_dev[1], steps=i_dev[2], greedy=i_dev[3].bool(),
+            all_greedy=not sampled.any(),
+            any_greedy=bool(greedy.any()),
+            any_top_k=bool((top_k[sampled] > 0).any()),
+            any_top_p=bool((top_p[sampled] < 1.0).any()),
+            any_min_p=bool((min_p[sampled] > 0.0).any()),
+            all_top_k=bool(sampled.any()) and bool((top_k[sampled] > 0).all()),
+            max_top_k=int(top_k[sampled].max()) if sampled.any() else 0,
+        )
 
     def execute(self, seqs: Seq[Sequence], num_tokens: Seq[int], samples: Seq[bool], bans=None, bitmask=None) -> list[int]:
         """prepare + forward + sample in one call (tests, simple drivers)."""

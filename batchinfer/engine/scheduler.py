@@ -140,6 +140,8 @@ class Scheduler:
 
         Returns how many tokens it can compute; 0 if it was preempted itself.
         """
+        if seq.num_computed_tokens + want <= len(seq.block_ids) * self.block_size:
+            return want  # fits the blocks it holds (most decode steps)
         while True:
             room = (len(seq.block_ids) + self.allocator.num_free) * self.block_size - seq.num_computed_tokens
             if room >= 1:

@@ -45,6 +45,9 @@ class Sequence:
     # Engine-side helpers and results.
     detokenizer: Any = None
     matcher: Any = None
+    # (temperature, top_p, min_p, top_k, folded seed, greedy) as the sampler wants them, resolved
+    # once by the model runner (sampling parameters never change during a request)
+    sampling_row: tuple | None = None
     text: str = ""
     finish_reason: FinishReason | None = None
     error: str | None = None

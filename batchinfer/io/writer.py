@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,6 +27,11 @@ RESULT_FIELDS = [
     pa.field("prompt_tokens", pa.int64()),
     pa.field("completion_tokens", pa.int64()),
     pa.field("error", pa.string()),
+    # per-row engine timings (see batchinfer.observe.records.row_metrics); null for rows that never
+    # reached the engine (template or length errors)
+    pa.field("queue_wait_s", pa.float64()),
+    pa.field("ttft_s", pa.float64()),
+    pa.field("decode_s", pa.float64()),
 ]
 
 
@@ -52,6 +57,7 @@ class PartWriter:
         columns: dict[str, pa.DataType | None],
         rows_per_part: int,
         seconds_per_part: float,
+        on_commit: Callable[[PartInfo], None] | None = None,
     ) -> None:
         self.manifest = manifest
         self.folder = manifest.folder
@@ -65,6 +71,7 @@ class PartWriter:
         self.rows_written = 0
         self.errors_written = 0
         self.broken = False  # a flush failed part-way: do not try again in this process
+        self.on_commit = on_commit  # called after each committed part (e.g. to flush run records with it)
 
     def add(self, row: dict[str, Any]) -> None:
         if not self._buffer:
@@ -134,7 +141,8 @@ class PartWriter:
         os.replace(tmp, self.folder / name)
         fsync_dir(self.folder)
         errors = sum(1 for r in table.column("error").to_pylist() if r is not None)
-        self.manifest.add_part(PartInfo(name, table.num_rows, errors))
+        part = PartInfo(name, table.num_rows, errors)
+        self.manifest.add_part(part)
         log.debug("committed %s (%d rows)", name, table.num_rows)
         self._next += 1
         self.rows_written += table.num_rows
@@ -142,6 +150,8 @@ class PartWriter:
         self._buffer = []
         self._started = None
         self.broken = False
+        if self.on_commit is not None:
+            self.on_commit(part)
 
     def save_finished(self) -> None:
         """After a failure elsewhere: commit the rows that did finish (best effort), so a resume skips them."""

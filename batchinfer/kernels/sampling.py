@@ -14,7 +14,9 @@ grammar bitmask) and all -inf rows come out exactly as in torch.
 Grid (rows, splits). Each program walks its slice of the vocabulary in tiles, keeping a per-lane
 running (value, id) winner, and reduces the lanes once at the end. With one split the winner id is
 the result; with several (few rows: more programs keep the GPU busy) a second tiny kernel reduces
-the per-split winners. Every per-row input (seed, step, temperature, greedy flag) is read from a
+the per-split winners. The split count is a run-time argument, not a constexpr: it changes with the
+row count, and as a constexpr every new batch size compiled a new kernel (~1 s each, mid-run).
+Every per-row input (seed, step, temperature, greedy flag) is read from a
 device tensor, so a launch never reads a value back to the host and can be captured in a CUDA graph.
 
 On CUDA the logarithms call libdevice's logf, the same function torch's CUDA log uses, so the
@@ -114,8 +116,8 @@ def _perturbed(logits_ptr, offs, V, greedy, temp, k1, k2, LIBDEVICE_LOG: tl.cons
 @triton.jit
 def _sample_split_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, greedy_ptr, val_out_ptr, idx_out_ptr,
-    s_l, V, SPLIT_LEN,
-    NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE_LOG: tl.constexpr,
+    s_l, V, SPLIT_LEN, NUM_SPLITS,
+    BLOCK: tl.constexpr, LIBDEVICE_LOG: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -143,7 +145,7 @@ def _sample_split_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(val_ptr, idx_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _reduce_splits_kernel(val_ptr, idx_ptr, out_ptr, NUM_SPLITS, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_S)
     mask = offs < NUM_SPLITS
@@ -220,12 +222,12 @@ def fused_sample(
     idx = out.view(rows, 1) if n_splits == 1 else torch.empty(rows, n_splits, dtype=torch.int64, device=logits.device)
     _sample_split_kernel[(rows, n_splits)](
         logits, temperature, seeds, steps, greedy, vals, idx,
-        logits.stride(0), vocab, split_len,
-        NUM_SPLITS=n_splits, BLOCK=block, LIBDEVICE_LOG=_libdevice_log(logits.device),
+        logits.stride(0), vocab, split_len, n_splits,
+        BLOCK=block, LIBDEVICE_LOG=_libdevice_log(logits.device),
         num_warps=8 if block >= 2048 else 4, enable_fp_fusion=FP_FUSION,
     )
     if n_splits > 1:
-        _reduce_splits_kernel[(rows,)](vals, idx, out, NUM_SPLITS=n_splits, BLOCK_S=pow2(n_splits), num_warps=1)
+        _reduce_splits_kernel[(rows,)](vals, idx, out, n_splits, BLOCK_S=pow2(n_splits, 32), num_warps=1)
     return out
 
 

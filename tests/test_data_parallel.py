@@ -180,3 +180,21 @@ def test_unknown_executor_is_a_user_error(tmp_path):
     (tmp_path / "job.yaml").write_text("model: m\ninput: {path: x, id_column: i}\noutput: {path: o}\nprompt: {template: t}\n")
     res = CliRunner().invoke(app, ["run", str(tmp_path / "job.yaml"), "--executor", "spark"])
     assert res.exit_code == 2 and "--executor" in res.output
+
+
+def test_bench_aggregate_of_engines_that_ran_together():
+    from batchinfer.bench.throughput import aggregate_data_parallel, format_report
+
+    def part(out, elapsed, floor_s):
+        return {"workload": "w", "description": "d", "model": "m", "device": "cuda", "dtype": "bfloat16", "requests": 10,
+                "errors": 0, "prompt_tokens": 100, "output_tokens": out, "elapsed_s": elapsed, "load_s": 1.0,
+                "output_tokens_per_s": out / elapsed, "ceilings": {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0},
+                "floor": {"floor_s": floor_s, "bound": "memory", "compute_s": 0.1, "memory_s": floor_s, "concurrency": 10,
+                          "min_steps": 5}, "floor_output_tokens_per_s": out / floor_s, "fraction_of_roofline": floor_s / elapsed,
+                "steps": 5, "decode_steps": 4}
+
+    r = aggregate_data_parallel([part(1000, 2.0, 0.5), part(800, 4.0, 0.4)])
+    assert r["data_parallel"] == 2 and r["output_tokens"] == 1800 and r["elapsed_s"] == 4.0
+    assert r["output_tokens_per_s"] == 450.0 and r["floor_output_tokens_per_s"] == 1800 / 0.5
+    assert r["floor_x_n_output_tokens_per_s"] == 2000 + 2000 and r["fraction_of_roofline"] == 0.5 / 4.0
+    assert "data parallel: 2 engines" in format_report(r)

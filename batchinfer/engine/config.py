@@ -22,6 +22,8 @@ class EngineConfig:
     enable_prefix_sharing: share KV blocks of identical full-block prefixes between sequences.
     attention_backend: auto | torch | triton | flash_attn.
     cuda_graphs: capture decode steps as CUDA graphs (GPU only).
+    overlap: build step N+1 on the host while the device runs step N (one-step lookahead; see
+        engine/engine.py); False runs the old serial loop (schedule, run, read tokens, repeat).
     grammar_backend: auto | xgrammar | llguidance | outlines.
     seed: seeds the per-request seeds of requests that give none.
     load_format: safetensors (read the checkpoint) | random (random weights of the config's shapes:
@@ -41,6 +43,7 @@ class EngineConfig:
     enable_prefix_sharing: bool = True
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    overlap: bool = True
     grammar_backend: str = "auto"
     seed: int = 0
     load_format: str = "safetensors"

@@ -7,26 +7,73 @@ of the vocabulary, a constraint no grammar backend compiles) yields an error Res
 
 Per-step stats (StepStats) are kept in `engine.last_step` and passed to the optional `on_step`
 callback.
+
+Overlap (`EngineConfig.overlap`, on by default): a one-step lookahead, so that the host builds step
+N+1 while the device runs step N. One loop iteration (`_step`):
+
+  1. schedule N+1 with N still in flight: every sequence N samples for already ends with a
+     placeholder token (sequence.py), so it is planned as if its token were known; a sequence whose
+     pending token is surely its last (max_tokens / max_model_len) is not scheduled;
+  2. pack N+1 and launch its forward; the input id of each decoding row is gathered ON THE DEVICE
+     from N's sampled-token tensor (model_runner.prepare), so nothing waits for N here;
+  3. read N's tokens (waits on a CUDA event recorded after their copy to pinned host memory: the only
+     host sync per step) and post-process them: swap placeholders for tokens, stop checks, grammar
+     accept, finish sequences (their blocks are freed now);
+  4. complete N+1's bookkeeping, build its bans and grammar masks (the matchers have just accepted
+     N's tokens, so masks are exact; they are built while N+1's forward runs), launch its sampling
+     and the copy of its tokens; N+1 is now the step in flight.
+
+Invariants: (a) at most one step is in flight, and a sequence holds at most one placeholder;
+(b) every host decision that depends on a token VALUE (finishing, grammar masks, min_tokens bans,
+block hashes for prefix sharing) is taken after that token was read: scheduling only uses token
+COUNTS; (c) a sequence that finished in step N (EOS, stop string, grammar) may still hold a row of
+N+1 whose forward was launched before N was read: that row is wasted work, its token is never read,
+and complete_step skips it. Its blocks are freed when N is read, after N+1's forward was queued: all
+device work runs in order on one stream, so N+1's write into a freed block lands before any later
+step (the earliest that can reuse the block) writes or reads it, and a freed block is never shared
+(its prefix hash is dropped). A sequence preempted while N is in flight is likewise safe: N's KV
+writes precede, on the stream, those of the step that reuses its blocks; its token is still read
+and appended (it may finish while waiting). (d) `overlap=False` runs the same code but reads each
+step's tokens right after launching it: the old serial loop, used by tests as the reference.
 """
+
 
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from batchinfer.engine.kv_cache import BlockAllocator
-from batchinfer.engine.model_runner import ModelRunner
+from batchinfer.engine.model_runner import ModelRunner, SampledTokens
 from batchinfer.engine.request import Request, RequestTimes, Result
 from batchinfer.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from batchinfer.engine.sequence import Sequence, SequenceStatus
+from batchinfer.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from batchinfer.engine.stats import StepStats
 from batchinfer.models.loader import load_tokenizer
 from batchinfer.structured.base import Constraint, GrammarError
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet.
+
+    sampling[i] is the sequence of sampled row i (rows of sequences that had already finished when
+    it launched are wasted: their tokens are never read). marks: CUDA timing events (None on the
+    CPU) at (end of the step before, start, end of forward, start of sampling); tokens.event ends it.
+    """
+
+    step: ScheduledStep
+    sampling: list[Sequence]
+    tokens: SampledTokens
+    marks: tuple[Any, Any, Any, Any]
 
 
 class Engine:
@@ -55,6 +102,10 @@ class Engine:
         self._generating = False
         self._compiler = None
         self._grammars: dict[Constraint, object] = {}  # compiled grammar, or the GrammarError message
+        self._inflight: _InFlight | None = None
+        self._last_end: Any = None  # timing event ending the last launched step (CUDA only)
+        self._wait_s = 0.0  # host time blocked on the device in the current iteration
+        self._idle_ms: float | None = None  # device idle gaps of the step read in this iteration
 
     # --- public API -------------------------------------------------------------------------
 
@@ -63,6 +114,7 @@ class Engine:
         if self._generating:
             raise RuntimeError("Engine.generate is already running; finish or close that iterator first")
         self._generating = True
+        self._last_end = None
         source = iter(requests)
         exhausted = False
         max_waiting = 2 * self.config.max_num_seqs
@@ -77,7 +129,7 @@ class Engine:
                     rejected = self._arrive(request)
                     if rejected is not None:
                         yield rejected
-                if not self.scheduler.has_work():
+                if not self.scheduler.has_work() and self._inflight is None:
                     if exhausted:
                         return
                     continue
@@ -150,30 +202,82 @@ class Engine:
     # --- one step ---------------------------------------------------------------------------
 
     def _step(self) -> list[Result]:
+        """One loop iteration: schedule and launch step N+1, read and post-process step N (see the
+        module docstring). Returns the requests that finished."""
         t0 = time.perf_counter()
+        self._wait_s, self._idle_ms = 0.0, None
         step = self.scheduler.schedule()
         for seq in step.seqs:
             if seq.scheduled is None:
                 seq.scheduled = t0
-        sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
-        tokens: list[int] = []
-        t1 = t0
+        logits = marks = None
         if step.seqs:
-            batch = self.runner.prepare(step.seqs, step.num_tokens, step.samples)
-            t1 = time.perf_counter()
-            logits = self.runner.forward(batch)  # asynchronous on a GPU: masks are built meanwhile
-            bans = [self._bans(s) for s in sampling]
-            bitmask = self._bitmask(sampling)
-            tokens = self.runner.sample(logits, sampling, bans, bitmask)
-        self.scheduler.complete_step(step)
-        now = time.perf_counter()
-        finished = [seq for seq, token in zip(sampling, tokens) if self._append(seq, token, now)]
-        results = []
-        for seq in finished:
-            self.scheduler.finish(seq)
-            results.append(self._result(seq))
-        self._report(step, t0, t1, len(results))
+            start = self.runner.mark()
+            pending = self._inflight.tokens.tensor if self._inflight is not None else None
+            batch = self.runner.prepare(step.seqs, step.num_tokens, step.samples, pending)
+            logits = self._device_call(self.runner.forward, batch)
+            marks = (self._last_end, start, self.runner.mark())
+        results = self._read_inflight() if self._inflight is not None else []
+        if step.seqs:
+            self.scheduler.complete_step(step)
+            sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
+            live = [s.status is SequenceStatus.RUNNING for s in sampling]
+            bans = [self._bans(s) if ok else [] for s, ok in zip(sampling, live)]
+            bitmask = self._bitmask(sampling, live)
+            sample_start = self.runner.mark()
+            if sampling:
+                tokens = self._device_call(self.runner.sample_tokens, logits, sampling, bans, bitmask)
+            else:
+                tokens = torch.empty(0, dtype=torch.int64, device=self.runner.device)
+            self._inflight = _InFlight(step, sampling, SampledTokens(tokens), (*marks, sample_start))
+            self._last_end = self._inflight.tokens.event
+            for row, (seq, ok) in enumerate(zip(sampling, live)):
+                if ok:
+                    seq.token_ids.append(PENDING_TOKEN)
+                    seq.pending_row = row
+                    seq.final_pending = seq.num_generated >= seq.max_tokens or seq.num_tokens >= self.max_model_len
+            if not self.config.overlap:
+                results += self._read_inflight()
+        self._report(step, t0, len(results))
         return results
+
+    def _device_call(self, fn, *args):
+        """Call a device-launching function; on the CPU its (synchronous) run counts as waiting."""
+        if self.runner.device.type != "cpu":
+            return fn(*args)
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._wait_s += time.perf_counter() - t
+
+    def _read_inflight(self) -> list[Result]:
+        """Wait for the in-flight step's tokens, append them, finish the sequences they end."""
+        flight, self._inflight = self._inflight, None
+        t = time.perf_counter()
+        tokens = flight.tokens.tolist()
+        self._wait_s += time.perf_counter() - t
+        self._idle_ms = self._idle_gaps_ms(flight)
+        now = time.perf_counter()
+        results = []
+        for row, (seq, token) in enumerate(zip(flight.sampling, tokens)):
+            if seq.pending_row != row or seq.is_finished:
+                continue  # a wasted row: the sequence had finished before this step launched
+            seq.token_ids.pop()  # the placeholder
+            seq.pending_row, seq.final_pending = None, False
+            if self._append(seq, token, now):
+                self.scheduler.finish(seq)
+                results.append(self._result(seq))
+        return results
+
+    def _idle_gaps_ms(self, flight: _InFlight) -> float | None:
+        """How long the GPU sat idle waiting for the host around this step: from the end of the step
+        before to this one's start, and between its forward and its sampling. None on the CPU."""
+        before, start, forward_end, sample_start = flight.marks
+        if start is None:
+            return None
+        gap = before.elapsed_time(start) if before is not None else 0.0
+        return gap + forward_end.elapsed_time(sample_start)
 
     def _bans(self, seq: Sequence) -> list[int]:
         """Tokens that may not end the output yet (min_tokens)."""
@@ -183,15 +287,17 @@ class Engine:
         ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         return sorted(i for i in ids if 0 <= i < self.runner.vocab_size)
 
-    def _bitmask(self, sampling: list[Sequence]):
-        """int32 CPU bitmask for the sampling rows, or None when no row has a grammar."""
-        if not any(s.matcher is not None for s in sampling):
+    def _bitmask(self, sampling: list[Sequence], live: list[bool]):
+        """int32 CPU bitmask for the sampling rows, or None when no live row has a grammar
+        (rows of finished sequences stay all-allowed: their tokens are never read)."""
+        if not any(s.matcher is not None and ok for s, ok in zip(sampling, live)):
             return None
         from batchinfer.structured.bitmask import allocate_token_bitmask
 
-        mask = allocate_token_bitmask(len(sampling), self.runner.vocab_size)
-        for row, seq in enumerate(sampling):
-            if seq.matcher is not None:
+        # pinned on a GPU, so that its copy to the device does not wait for the work queued before it
+        mask = allocate_token_bitmask(len(sampling), self.runner.vocab_size, pin_memory=self.runner.device.type == "cuda")
+        for row, (seq, ok) in enumerate(zip(sampling, live)):
+            if seq.matcher is not None and ok:
                 seq.matcher.fill_next_token_bitmask(mask, row)
         return mask
 
@@ -254,9 +360,16 @@ class Engine:
             num_preemptions=seq.num_preemptions,
         )
 
-    def _report(self, step: ScheduledStep, t0: float, t1: float, num_finished: int) -> None:
+    def _report(self, step: ScheduledStep, t0: float, num_finished: int) -> None:
+        """StepStats of one iteration. schedule_ms is the host work the device did not hide: on a GPU
+        the device's measured idle gaps around the step read in this iteration (the one before, with
+        overlap); on the CPU all host work (the CPU is the device, nothing overlaps)."""
         self._num_steps += 1
         end = time.perf_counter()
+        step_ms = (end - t0) * 1000.0
+        wait_ms = self._wait_s * 1000.0
+        host_ms = step_ms - wait_ms
+        exposed = host_ms if self._idle_ms is None else self._idle_ms
         stats = StepStats(
             step=self._num_steps,
             time=end,
@@ -267,16 +380,28 @@ class Engine:
             kv_blocks_used=self.allocator.num_used,
             kv_blocks_free=self.allocator.num_free,
             num_preemptions=len(step.preempted),
-            schedule_ms=(t1 - t0) * 1000.0,
-            step_ms=(end - t0) * 1000.0,
+            schedule_ms=exposed,
+            step_ms=step_ms,
             num_finished=num_finished,
+            host_ms=host_ms,
+            wait_ms=wait_ms,
         )
         self.last_step = stats
         if self.on_step is not None:
             self.on_step(stats)
 
     def _abort_all(self) -> None:
-        """Drop every unfinished sequence (the caller stopped iterating): free all their blocks."""
+        """Drop every unfinished sequence (the caller stopped iterating): free all their blocks.
+
+        A step still in flight is abandoned: its tokens are never read; later device work queues
+        behind it on the stream, so freeing its blocks now is safe.
+        """
+        if self._inflight is not None:
+            for seq in self._inflight.sampling:
+                if seq.pending_row is not None:
+                    seq.token_ids.pop()
+                    seq.pending_row, seq.final_pending = None, False
+            self._inflight = None
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq)
         self.scheduler.waiting.clear()

@@ -5,6 +5,11 @@ block tables (vectorised with numpy), runs the model, keeps the hidden state of 
 each sequence that samples this step, computes logits, applies the per-row bans (min_tokens) and the
 grammar bitmask, and samples. Decode-only steps on a GPU replay a CUDA graph captured at start-up
 (engine/cuda_graphs.py; `EngineConfig.cuda_graphs` turns them off); other steps run eagerly.
+
+For the engine's overlap loop, a step can be prepared before the tokens of the step in flight are
+on the host: rows whose last input token is still pending gather it on the device from that step's
+sampled-token tensor, and `sample_tokens` + `SampledTokens` leave the new tokens on the device with
+an event-guarded copy to pinned memory, so the host syncs only when it reads them.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from batchinfer.engine.kv_cache import allocate_kv_cache, kv_block_bytes
 from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.sampler import SamplingBatch, ban_tokens_, make_sampling_batch, sample
 
-_MASK32 = 0xFFFFFFFF
 from batchinfer.engine.sequence import Sequence
 from batchinfer.models.loader import load_model
+
+_MASK32 = 0xFFFFFFFF
 
 
 def resolve_device(device: str) -> torch.device:
@@ -63,6 +69,34 @@ class StepBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_index: torch.Tensor
+    gather_dst: torch.Tensor | None = None  # token rows whose input id comes from the in-flight step
+    gather_src: torch.Tensor | None = None  # ... and the rows of its sampled tokens that hold them
+
+
+class SampledTokens:
+    """One step's sampled tokens: kept on the device (the next step gathers its input ids from
+    `tensor`) and copied, without blocking the host, into pinned host memory; `tolist()` waits for
+    that copy only (a CUDA event), not for work launched after it."""
+
+    def __init__(self, device_tokens: torch.Tensor) -> None:
+        self.tensor = device_tokens
+        self.event: torch.cuda.Event | None = None  # a timing event: it also ends the step's timeline
+        if device_tokens.device.type == "cuda":
+            self._host = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
+            self._host.copy_(device_tokens, non_blocking=True)
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self._host = device_tokens
+
+    def done(self) -> bool:
+        """Whether tolist() would return without waiting."""
+        return self.event is None or self.event.query()
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
@@ -169,14 +203,43 @@ class ModelRunner:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def prepare(self, seqs: Seq[Sequence], num_tokens: Seq[int], samples: Seq[bool]) -> StepBatch:
-        """Pack the scheduled chunks: seqs[i] computes num_tokens[i] tokens from its num_computed."""
+    def prepare(
+        self,
+        seqs: Seq[Sequence],
+        num_tokens: Seq[int],
+        samples: Seq[bool],
+        pending: torch.Tensor | None = None,
+    ) -> StepBatch:
+        """Pack the scheduled chunks: seqs[i] computes num_tokens[i] tokens from its num_computed.
+
+        pending: the sampled tokens (on the device) of the step still in flight. A sequence with a
+        `pending_row` ends with a placeholder token; when its chunk reaches that last token, the
+        input id is gathered on the device from pending[pending_row] (no host sync).
+        """
         starts = [s.num_computed_tokens for s in seqs]
         ids = [s.token_ids[c : c + n] for s, c, n in zip(seqs, starts, num_tokens)]
-        return self._pack(starts, list(num_tokens), ids, [s.block_ids for s in seqs], samples)
+        gather = None
+        rows = [
+            (i, s.pending_row)
+            for i, (s, c, n) in enumerate(zip(seqs, starts, num_tokens))
+            if s.pending_row is not None and c + n == s.num_tokens
+        ]
+        if rows:
+            if pending is None:
+                raise RuntimeError("sequences wait on an in-flight token but no pending token tensor was given")
+            gather = (np.array([i for i, _ in rows], dtype=np.int64), np.array([r for _, r in rows], dtype=np.int64))
+        batch = self._pack(starts, list(num_tokens), ids, [s.block_ids for s in seqs], samples, gather)
+        if gather is not None:
+            with torch.no_grad():
+                batch.input_ids.index_copy_(0, batch.gather_dst, pending.index_select(0, batch.gather_src))
+        return batch
 
-    def _pack(self, starts, lens, ids, tables, samples) -> StepBatch:
-        """Flat inputs + AttentionMetadata from per-sequence starts, chunk lengths, token ids, blocks."""
+    def _pack(self, starts, lens, ids, tables, samples, gather=None) -> StepBatch:
+        """Flat inputs + AttentionMetadata from per-sequence starts, chunk lengths, token ids, blocks.
+
+        gather: (chunk indices, rows) of chunks whose last input id comes from the in-flight step's
+        sampled tokens; their token positions and the rows ride in the same int64 host->device copy.
+        """
         bs = self.block_size
         starts_np = np.asarray(starts, dtype=np.int64)
         lens_np = np.asarray(lens, dtype=np.int64)
@@ -192,7 +255,11 @@ class ModelRunner:
         flat_ids = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
         sample_index = (cu[1:] - 1)[np.asarray(samples, dtype=bool)]
         # Two host->device copies per step: all int64 arrays in one buffer, all int32 in another.
-        longs = self._to_device(np.concatenate([flat_ids, positions, slots, sample_index]))
+        parts = [flat_ids, positions, slots, sample_index]
+        if gather is not None:
+            parts += [cu[1:][gather[0]] - 1, gather[1]]
+        longs = self._to_device(np.concatenate(parts))
+        num_samples = len(sample_index)
         ints = self._to_device(np.concatenate([cu.astype(np.int32), seq_lens.astype(np.int32), table.ravel()]))
         nb = len(lens)
         lens_list = lens_np.tolist()
@@ -208,12 +275,16 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_list,
             decode_only=all(n == 1 for n in lens_list),
         )
-        return StepBatch(
+        batch = StepBatch(
             input_ids=longs[:total],
             positions=longs[total : 2 * total],
             meta=meta,
-            sample_index=longs[3 * total :],
+            sample_index=longs[3 * total : 3 * total + num_samples],
         )
+        if gather is not None:
+            g, end = len(gather[0]), 3 * total + num_samples
+            batch.gather_dst, batch.gather_src = longs[end : end + g], longs[end + g : end + 2 * g]
+        return batch
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(array)
@@ -254,6 +325,17 @@ class ModelRunner:
         """
         if not sampling:
             return []
+        return self.sample_tokens(logits, sampling, bans, bitmask).tolist()
+
+    @torch.inference_mode()
+    def sample_tokens(
+        self,
+        logits: torch.Tensor,
+        sampling: Seq[Sequence],
+        bans: Seq[list[int]] | None = None,
+        bitmask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As sample(), but the tokens stay on the device (int64 [len(sampling)]): launching only."""
         if bans:
             rows = [i for i, b in enumerate(bans) if b]
             if rows:
@@ -262,7 +344,16 @@ class ModelRunner:
             from batchinfer.structured.bitmask import apply_token_bitmask_
 
             apply_token_bitmask_(logits, bitmask.to(self.device, non_blocking=True))
-        return sample(logits, self.sampling_batch(sampling)).tolist()
+        return sample(logits, self.sampling_batch(sampling))
+
+    def mark(self) -> torch.cuda.Event | None:
+        """A timing event recorded now on the current CUDA stream (None on the CPU): the engine
+        measures the device's idle gaps between steps with them."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def sampling_batch(self, sampling: Seq[Sequence]) -> SamplingBatch:
         """make_sampling_batch for sequences, from rows each sequence computes once (its seed folded,

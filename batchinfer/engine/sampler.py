@@ -278,5 +278,8 @@ def ban_tokens_(logits: torch.Tensor, rows: list[int], token_ids: list[list[int]
     if not flat_rows:
         return
     flat_cols = [t for ids in token_ids for t in ids]
-    index = torch.tensor([flat_rows, flat_cols], dtype=torch.int64).to(logits.device, non_blocking=True)
-    logits.index_put_((index[0], index[1]), torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
+    index = torch.tensor([flat_rows, flat_cols], dtype=torch.int64)
+    if logits.is_cuda:  # pinned, so the copy does not wait for the device
+        index = index.pin_memory()
+    index = index.to(logits.device, non_blocking=True)
+    logits[index[0], index[1]] = -math.inf  # a Python scalar: no device tensor made from the host

@@ -5,6 +5,9 @@ a long document is prefilled in chunks and never stalls sequences that are decod
 are handed out oldest-first; when they run out, the newest sequence is preempted (its blocks are
 freed and it goes back to the front of the waiting queue to be recomputed later).
 
+Sequences flagged `final_pending` (their in-flight token is their last) are never scheduled: the
+engine finishes them as soon as it reads that token.
+
 Admission reserves the blocks a sequence will need while it decodes (prompt + max_tokens, the
 output part capped), not just its prompt, so preemption stays rare.
 """
@@ -82,9 +85,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished running sequence and free its blocks."""
-        self.running.remove(seq)
-        self._release(seq)
+        """Remove a finished sequence and free its blocks.
+
+        Usually it is running; with overlap it may have been preempted (sent back to waiting, its
+        blocks already freed) while the step that sampled its last token was still in flight.
+        """
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self._release(seq)
         seq.status = SequenceStatus.FINISHED
 
     # --- one step -------------------------------------------------------------------------
@@ -92,10 +102,10 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
-        num_decodes = sum(1 for s in self.running if s.num_remaining == 1)
+        num_decodes = sum(1 for s in self.running if s.num_remaining == 1 and not s.final_pending)
         prefill_budget = max(0, budget - num_decodes)
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or step.total_tokens >= budget:
+            if seq.status is not SequenceStatus.RUNNING or seq.final_pending or step.total_tokens >= budget:
                 continue
             is_decode = seq.num_remaining == 1
             want = 1 if is_decode else min(seq.num_remaining, prefill_budget)
@@ -110,8 +120,14 @@ class Scheduler:
         return step
 
     def complete_step(self, step: ScheduledStep) -> None:
-        """After the forward: advance computed counts and publish newly full blocks for sharing."""
+        """After the forward: advance computed counts and publish newly full blocks for sharing.
+
+        Sequences that finished meanwhile (overlap: their row in this step is wasted work) are skipped.
+        Call it only when every token this step computes is known on the host (block hashes read them).
+        """
         for seq, n in zip(step.seqs, step.num_tokens):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             seq.num_computed_tokens += n
             if self.config.enable_prefix_sharing:
                 self._register_full_blocks(seq)
@@ -176,7 +192,10 @@ class Scheduler:
         if not self.waiting:
             return
         outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # A final_pending sequence is done as soon as its token is read: its slot is free already
+        # (it is never scheduled again, so steps still hold at most max_num_seqs rows).
+        active = sum(1 for s in self.running if not s.final_pending)
+        while self.waiting and budget > 0 and active < self.config.max_num_seqs:
             seq = self.waiting[0]
             shared = self._match_prefix(seq) if self.config.enable_prefix_sharing else []
             need = self._reserved_blocks(seq) - len(shared)
@@ -193,6 +212,7 @@ class Scheduler:
             seq.num_registered_blocks = len(shared)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            active += 1
             n = self._fit(seq, min(seq.num_remaining, budget), step)
             outstanding += max(0, self._reserved_blocks(seq) - len(seq.block_ids))
             self._add_to_step(step, seq, n)

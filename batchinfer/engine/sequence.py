@@ -7,6 +7,13 @@ everything about a request lives in one object.
 Token bookkeeping: `token_ids` is prompt + generated tokens. The last sampled token has no KV yet,
 so a decoding sequence has exactly one token left to compute. After a preemption the sequence
 recomputes all of `token_ids` (its generated tokens become part of the prefix) and samples again.
+
+Overlap (engine/engine.py): while the step that samples a sequence's next token is still running on
+the device, `token_ids` already ends with a placeholder (PENDING_TOKEN) and `pending_row` names the
+row of that step's sampled-token tensor that holds the real value; the scheduler and the model
+runner plan the next step with it (the runner gathers the token on the device), and the engine
+swaps in the real token when it reads the step's tokens. `final_pending`: the pending token is the
+sequence's last whatever its value (max_tokens or max_model_len reached), so it is not scheduled again.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchinfer.engine.request import FinishReason, Request
+
+
+PENDING_TOKEN = -1  # stands for a sampled token still on the device (never a valid token id)
 
 
 class SequenceStatus(enum.Enum):
@@ -42,6 +52,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_preemptions: int = 0
+    pending_row: int | None = None
+    final_pending: bool = False
     # Engine-side helpers and results.
     detokenizer: Any = None
     matcher: Any = None

@@ -18,6 +18,8 @@ class StepStats:
     kv_blocks_used: int
     kv_blocks_free: int
     num_preemptions: int  # preemptions during this step
-    schedule_ms: float  # host time building the step (scheduling, batch tensors, masks)
+    schedule_ms: float  # host work NOT hidden behind device work (on a GPU: the device's idle gaps)
     step_ms: float  # wall time of the whole step
     num_finished: int = 0
+    host_ms: float = 0.0  # all host work of the step (step_ms - wait_ms), hidden or not
+    wait_ms: float = 0.0  # host time blocked waiting on the device

@@ -296,9 +296,9 @@ class Engine:
 
         # pinned on a GPU, so that its copy to the device does not wait for the work queued before it
         mask = allocate_token_bitmask(len(sampling), self.runner.vocab_size, pin_memory=self.runner.device.type == "cuda")
-        for row, (seq, ok) in enumerate(zip(sampling, live)):
-            if seq.matcher is not None and ok:
-                seq.matcher.fill_next_token_bitmask(mask, row)
+        rows = [row for row, (seq, ok) in enumerate(zip(sampling, live)) if seq.matcher is not None and ok]
+        # one batched call per grammar library, on the library's own threads (GIL released)
+        self._compiler.fill_next_token_bitmasks([sampling[r].matcher for r in rows], mask, rows)
         return mask
 
     def _append(self, seq: Sequence, token: int, now: float) -> bool:

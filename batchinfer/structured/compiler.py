@@ -7,10 +7,16 @@ schema, so together they cover more schemas than any one library. Compiled forms
 can serialise (xgrammar, outlines-core) are cached on disk, keyed by constraint, backend, library
 version and vocabulary fingerprint.
 
-AUTO_ORDER comes from `bench grammar` on 200 MaskBench schemas, Qwen 151k vocabulary, this CPU:
-llguidance compiled 162 and passed all 162 (compile p50 6 ms); xgrammar compiled 175, passed 173
-but compiles slowly (p50 0.75 s, p90 4 s); llguidance-relaxed compiled 199, passed 195;
-outlines-core compiled 124, passed 114. In this order auto compiled 200/200 and passed 196.
+AUTO_ORDER comes from two measurements. Coverage, `bench grammar` on 200 MaskBench schemas, Qwen
+151k vocabulary, this CPU: llguidance compiled 162 and passed all 162 (compile p50 6 ms); xgrammar
+compiled 175, passed 173 (compile p50 0.75 s, p90 4 s); llguidance-relaxed compiled 199, passed 195;
+outlines-core compiled 124, passed 114. Speed, `bench throughput --workload docs1000-json` on an
+H200 (BENCHMARKS.md): xgrammar 8,166 output tok/s, llguidance 5,902, unconstrained 10,623 — in
+length-bounded strings llguidance fills a 151k-token mask in ~120 µs, xgrammar in ~30 µs. But
+xgrammar is not exact: it lets invalid UTF-8 byte sequences into strings (so maxLength miscounts)
+and ignores maxLength next to format; those answers fail validation and become error rows. auto
+keeps the exact llguidance first; `backend: xgrammar` is the faster choice where that risk is
+acceptable. Every answer is validated against the full schema afterwards, whichever backend.
 """
 
 from __future__ import annotations

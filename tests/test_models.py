@@ -112,6 +112,8 @@ def test_num_params_and_tied_embeddings(checkpoint):
     model, info, hf, _, _ = checkpoint
     assert info.num_params == sum(p.numel() for p in model.parameters()) == hf.num_parameters()
     assert (model.lm_head is model.embed_tokens) == model.config.tie_word_embeddings
+    in_layers = sum(p.numel() for name, p in hf.named_parameters() if ".layers." in name)
+    assert info.num_layer_params == in_layers
 
 
 @pytest.mark.parametrize(

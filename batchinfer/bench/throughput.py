@@ -29,15 +29,6 @@ def _model_folder(model: str, cache_dir: Path) -> tuple[str, str]:
     return model, "safetensors"
 
 
-def _param_counts(info) -> tuple[int, int]:
-    """(decoder-layer parameters, all weight parameters) from the model's shape."""
-    h, d = info.hidden_size, info.head_dim
-    attn = h * info.num_heads * d + 2 * h * info.num_kv_heads * d + info.num_heads * d * h
-    mlp = 3 * h * info.intermediate_size
-    layer = info.num_layers * (attn + mlp)
-    return layer, info.num_params or layer + 2 * info.vocab_size * h
-
-
 PROFILE_ENV = "BATCHINFER_PROFILE_DIR"  # a folder: profile a window of steps into it
 PROFILE_START_ENV = "BATCHINFER_PROFILE_START"  # steps of the measured run before the window
 
@@ -161,7 +152,7 @@ def run_throughput(
     out_lens = [r.completion_tokens for r in ok]
     total_out, total_prompt = sum(out_lens), sum(prompt_lens)
 
-    layer_params, all_params = _param_counts(info)
+    layer_params, all_params = info.num_layer_params, info.num_params
     dtype_bytes = torch.finfo(info.dtype).bits // 8
     kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
     if cuda:

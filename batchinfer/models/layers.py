@@ -54,15 +54,19 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self) -> int:
-        """Parameter count of the model this config builds (tied embeddings counted once)."""
+    def num_layer_params(self) -> int:
+        """Parameters of all decoder layers (everything but the embeddings, LM head and final norm)."""
         h, qkv = self.hidden_size, self.q_size + 2 * self.kv_size
         per_layer = h * qkv + self.q_size * h + 3 * h * self.intermediate_size + 2 * h
         per_layer += qkv if self.qkv_bias else 0
         per_layer += h if self.o_bias else 0
         per_layer += 2 * self.head_dim if self.qk_norm else 0
-        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * per_layer + h
+        return self.num_layers * per_layer
+
+    def num_params(self) -> int:
+        """Parameter count of the model this config builds (tied embeddings counted once)."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layer_params() + self.hidden_size
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

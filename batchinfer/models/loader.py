@@ -46,6 +46,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]  # config.json and generation_config.json together
     dtype: torch.dtype
     num_params: int
+    num_layer_params: int = 0  # decoder layers only (no embeddings / LM head): FLOPs per token
 
 
 def _hub_cache_dir() -> Path:
@@ -158,6 +159,7 @@ def _info(model_dir: Path, hf: dict, gen: dict, cfg: ModelConfig, dtype: torch.d
         eos_token_ids=_eos_ids(hf, gen),
         dtype=dtype,
         num_params=cfg.num_params(),
+        num_layer_params=cfg.num_layer_params(),
     )
 
 

@@ -20,7 +20,7 @@ class EngineConfig:
     kv_cache_gib: size of the KV cache on CPU.
     num_kv_blocks: force this many KV blocks (tests; overrides both sizes above).
     enable_prefix_sharing: share KV blocks of identical full-block prefixes between sequences.
-    attention_backend: auto | torch | triton | flash_attn.
+    attention_backend: auto | torch | triton (auto: triton on a GPU, torch on CPU).
     cuda_graphs: capture decode steps as CUDA graphs (GPU only).
     overlap: build step N+1 on the host while the device runs step N (one-step lookahead; see
         engine/engine.py); False runs the old serial loop (schedule, run, read tokens, repeat).

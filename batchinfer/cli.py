@@ -122,7 +122,7 @@ def _load_for_checks(job: Path, set_: list[str]) -> tuple[Any, Any, Any, Any]:
     from batchinfer.io.readers import list_input_files
     from batchinfer.job import load_job
     from batchinfer.models.loader import load_model_info, load_tokenizer
-    from batchinfer.run import _key_types, resolve_model
+    from batchinfer.plan import key_types, resolve_model
 
     spec = load_job(job, set_)
     model_dir = resolve_model(spec)
@@ -130,7 +130,7 @@ def _load_for_checks(job: Path, set_: list[str]) -> tuple[Any, Any, Any, Any]:
     tokenizer = load_tokenizer(model_dir)
     files = list_input_files(spec.input.path, spec.input.format)
     ids = check_ids(files, spec.input.id_column)
-    _key_types(spec, files)  # keep_columns present in Parquet files
+    key_types(spec, files)  # keep_columns present in Parquet files
     plan = type("InputPlan", (), {"spec": spec, "files": files, "ids": ids, "model_dir": model_dir})()
     return spec, plan, tokenizer, info
 
@@ -208,7 +208,7 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     from batchinfer.io.model_files import kv_bytes_per_token
     from batchinfer.io.readers import Row
     from batchinfer.prompts import PromptBuilder, RowError
-    from batchinfer.run import pending_rows
+    from batchinfer.plan import pending_rows
 
     _setup_logging(True)
     try:

@@ -1,8 +1,9 @@
 """The job driver: plan inputs -> pending rows -> requests -> engine results -> part files.
 
-Each arrow is one function or class here, so later work can slot in: a data-parallel executor
-replaces `execute` (it gets the same pending rows and writer), metrics hook `on_row` (a per-row
-timing record) and `on_progress` (called after every finished row).
+The stages live in their own modules — plan.py (1: plan the inputs, 2: pending rows), requests.py
+(3: rows to requests), results.py (4: results to output rows) — and this one drives them (5: execute)
+and runs the whole job. Seams: a data-parallel or Ray executor replaces `_run_pending` (it gets the
+same plan and callbacks), metrics hook `on_row` (a per-row timing record) and `on_progress`.
 
 Exactly-once resume: see batchinfer/io/manifest.py for the commit protocol. The finished ids come from
 the committed parts; a row whose id is among them is skipped when the input is read again.
@@ -19,23 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-import polars as pl
-import pyarrow as pa
-
 from batchinfer.engine.request import Request, Result
 from batchinfer.io import manifest as mf
-from batchinfer.io.ids import IdCheck, check_ids
-from batchinfer.io.model_files import model_components
-from batchinfer.io.readers import InputError, InputFile, Reject, Row, input_columns, iter_rows, list_input_files
-from batchinfer.io.writer import RESULT_FIELDS, PartWriter, existing_schema, output_schema
+from batchinfer.io.readers import Reject, Row
+from batchinfer.io.writer import PartWriter, existing_schema, output_schema
 from batchinfer.job import JobError, JobSpec, load_job
-from batchinfer.observe import ObserveOptions, Observer, row_metrics
-from batchinfer.prompts import PromptBuilder, RowError
+from batchinfer.observe import ObserveOptions, Observer
+from batchinfer.plan import JobPlan, pending_rows, plan_inputs
+from batchinfer.prompts import RowError
+from batchinfer.requests import RequestBuilder, RowMeta
+from batchinfer.results import RESULT_NAMES, ResultConverter
 
 log = logging.getLogger(__name__)
 
 
-_RESULT_NAMES = frozenset(f.name for f in RESULT_FIELDS)
 
 
 class RunError(RuntimeError):
@@ -101,276 +99,6 @@ class RunSummary:
         return head + tail
 
 
-# ---- stage 1: plan the inputs ------------------------------------------------------------------------
-
-
-@dataclass
-class JobPlan:
-    """Everything known before the engine starts: files, ids, output folder state, fingerprint."""
-
-    spec: JobSpec
-    files: list[InputFile]
-    ids: IdCheck
-    model_dir: Path
-    manifest: mf.Manifest
-    finished: pl.Series  # ids (as text) already in the output
-    key_types: dict[str, pa.DataType | None]
-    recovered: int = 0
-    lock: Any = None  # the output folder's lock (an open file); close() releases it
-
-    def close(self) -> None:
-        if self.lock is not None:
-            self.lock.close()
-            self.lock = None
-
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.spec.output.path)
-
-    @property
-    def pending_count(self) -> int:
-        if self.finished.is_empty():
-            return self.ids.num_rows
-        return self.ids.ids.lazy().filter(~pl.col("id").is_in(self.finished.implode())).select(pl.len()).collect().item()
-
-
-def fingerprint_components(spec: JobSpec, model_dir: Path) -> dict[str, Any]:
-    """The inputs of the fingerprint: everything that changes the outputs (not engine speed knobs)."""
-    s = spec.structured
-    structured = None
-    if s is not None:
-        c = s.constraint()
-        structured = {"kind": c.kind, "value": c.value, "whitespace": c.whitespace, "backend": s.backend}
-    return {
-        "model": {"files": model_components(model_dir), "dtype": spec.model.dtype, "max_model_len": spec.model.max_model_len},
-        "prompt": spec.prompt.model_dump(mode="json"),
-        "sampling": spec.sampling.model_dump(mode="json"),
-        "structured": structured,
-        "columns": {"id": spec.input.id_column, "keep": list(spec.output.keep_columns)},
-    }
-
-
-def check_schema(spec: JobSpec, model_dir: Path) -> None:
-    """Refuse a constraint no grammar backend compiles before the engine loads (raises GrammarError)."""
-    from batchinfer.models.loader import load_model_info, load_tokenizer
-    from batchinfer.structured.compiler import check_constraint
-
-    assert spec.structured is not None
-    info = load_model_info(str(model_dir), spec.model.dtype)
-    check_constraint(spec.structured.constraint(), load_tokenizer(model_dir), info.vocab_size, spec.structured.backend)
-
-
-def resolve_model(spec: JobSpec) -> Path:
-    from batchinfer.models.loader import ModelLoadError, resolve_model_dir
-
-    try:
-        return resolve_model_dir(spec.model.path)
-    except ModelLoadError as e:
-        raise JobError(f"model.path: {e}") from None
-
-
-def _key_types(spec: JobSpec, files: list[InputFile]) -> dict[str, pa.DataType | None]:
-    """Output types of the id and kept columns: from the first Parquet file that has them, else inferred."""
-    names = [spec.input.id_column] + [c for c in spec.output.keep_columns if c != spec.input.id_column]
-    types: dict[str, pa.DataType | None] = {n: None for n in names}
-    for f in files:
-        cols = input_columns(f)
-        if cols is None:
-            continue
-        missing = [c for c in spec.output.keep_columns if c not in cols]
-        if missing:
-            raise InputError(f"output.keep_columns: {', '.join(missing)} not a column of {f.path} (columns: {', '.join(cols)})")
-        import pyarrow.parquet as pq
-
-        schema = pq.ParquetFile(f.path).schema_arrow
-        for n in names:
-            if types[n] is None:
-                types[n] = schema.field(n).type
-    return types
-
-
-def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
-    """Stage 1: list files, check ids, open the output folder (recover, fingerprint check)."""
-    model_dir = resolve_model(spec)
-    out = Path(spec.output.path)
-    files = [f for f in list_input_files(spec.input.path, spec.input.format) if not Path(f.path).is_relative_to(out.resolve())]
-    if not files:
-        raise InputError(f"input.path: no input files outside output.path ({out})")
-    ids = check_ids(files, spec.input.id_column)
-    key_types = _key_types(spec, files)
-    if spec.structured is not None:
-        check_schema(spec, model_dir)
-    components = fingerprint_components(spec, model_dir)
-    fp = mf.fingerprint_of(components)
-    hashes = mf.component_hashes(components)
-    if out.exists() and not out.is_dir():
-        raise JobError(f"output.path: {out} is a file, not a folder")
-    out.mkdir(parents=True, exist_ok=True)
-    lock = mf.lock_output(out)
-    try:
-        return _open_output(spec, files, ids, model_dir, key_types, fp, hashes, overwrite, lock)
-    except BaseException:
-        lock.close()
-        raise
-
-
-def _open_output(
-    spec: JobSpec,
-    files: list[InputFile],
-    ids: IdCheck,
-    model_dir: Path,
-    key_types: dict[str, pa.DataType | None],
-    fp: str,
-    hashes: dict[str, str],
-    overwrite: bool,
-    lock: Any,
-) -> JobPlan:
-    """Under the folder lock: clear (--overwrite), clean temps, check the fingerprint, recover parts."""
-    out = Path(spec.output.path)
-    if overwrite:
-        mf.clear_output(out)
-    removed = mf.remove_temp_files(out)
-    if removed:
-        log.info("removed %d unfinished temp file(s) from %s", removed, out)
-    manifest = mf.Manifest.load(out)
-    if manifest is not None and manifest.fingerprint != fp:
-        if manifest.parts or mf.part_files(out):
-            changed = [k for k in hashes if manifest.components.get(k) != hashes[k]]
-            raise JobError(
-                f"{out} holds output of a different job (changed: {', '.join(changed) or 'fingerprint'}); "
-                "use --overwrite to replace it, or a new output.path"
-            )
-        manifest = None  # an earlier attempt that committed nothing: no output to protect
-    if manifest is None:
-        manifest = mf.Manifest(out, fp, hashes, spec.input.id_column)
-    recovered, deleted = mf.recover(manifest)  # raises JobError for parts of another job
-    manifest.save()
-    if deleted:
-        log.warning("deleted %d unreadable part file(s); their rows will be done again", deleted)
-    if recovered:
-        log.info("recovered %d committed part(s) missing from the manifest", recovered)
-    if manifest.parts:
-        schema = existing_schema(out, manifest.parts[0].name)
-        key_types = {n: schema.field(n).type if n in schema.names else t for n, t in key_types.items()}
-    return JobPlan(spec, files, ids, model_dir, manifest, manifest.finished_ids(), key_types, recovered, lock)
-
-
-# ---- stage 2: pending rows ----------------------------------------------------------------------------
-
-
-def pending_rows(plan: JobPlan, columns: list[str] | None = None) -> Iterator[Row | Reject]:
-    """Stage 2: input rows not yet in the output (and rejects), streamed batch by batch."""
-    id_col = plan.spec.input.id_column
-    done = plan.finished.implode()
-    for batch in iter_rows(plan.files, id_col, plan.spec.input.batch_size, columns):
-        if plan.finished.is_empty():
-            yield from batch
-            continue
-        keys = pl.Series([str(i.values[id_col]) if isinstance(i, Row) else "" for i in batch], dtype=pl.Utf8)
-        skip = keys.is_in(done).to_list()
-        for item, is_done in zip(batch, skip):
-            if not (is_done and isinstance(item, Row)):
-                yield item
-
-
-# ---- stage 3: rows to requests -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RowMeta:
-    """What the writer needs of a row once its result comes back (not the row's text)."""
-
-    keys: dict[str, Any]
-    file: str
-    line: int
-    prompt_tokens: int = 0
-
-
-class RequestBuilder:
-    """Stage 3: a row becomes a Request (or a RowError naming what is wrong with it)."""
-
-    def __init__(self, spec: JobSpec, tokenizer: Any, max_model_len: int, constraint: Any) -> None:
-        self.spec = spec
-        self.prompts = PromptBuilder(spec.prompt, tokenizer)
-        self.max_model_len = max_model_len
-        self.sampling = spec.sampling.to_params()
-        self.constraint = constraint
-        self.key_names = [spec.input.id_column] + [c for c in spec.output.keep_columns if c != spec.input.id_column]
-
-    def keys(self, row: Row) -> dict[str, Any]:
-        return {k: row.values.get(k) for k in self.key_names}
-
-    def build(self, row: Row, request_id: str) -> Request:
-        text, ids = self.prompts.encode(row.values)
-        if len(ids) >= self.max_model_len:
-            limit = self.max_model_len
-            raise RowError(f"prompt has {len(ids)} tokens; the model allows at most {limit - 1} (max_model_len {limit})")
-        return Request(request_id, ids, self.sampling, self.constraint, text)
-
-
-# ---- stage 4: results to output rows -----------------------------------------------------------------
-
-
-class ResultConverter:
-    """Stage 4: an engine Result (or a row error) becomes an output row; JSON answers are checked."""
-
-    def __init__(self, spec: JobSpec, constraint: Any) -> None:
-        self.constraint = constraint
-        self.schema = spec.structured.schema_dict() if spec.structured and spec.structured.json_schema is not None else None
-        self.output_type: pa.DataType | None = None
-        self._to_arrow: Callable[[Any], Any] | None = None
-        if self.schema is not None:
-            self.output_type, self._to_arrow = _arrow_mapping(self.schema)
-
-    def error_row(self, meta: RowMeta, message: str) -> dict[str, Any]:
-        row = dict(meta.keys)
-        row.update(output_text=None, finish_reason="error", prompt_tokens=meta.prompt_tokens, completion_tokens=0, error=message)
-        row.update(row_metrics(None))  # never reached the engine: no timings
-        if self.schema is not None:
-            row["output"] = None
-        return row
-
-    def row(self, meta: RowMeta, result: Result) -> dict[str, Any]:
-        out = dict(meta.keys)
-        out.update(
-            output_text=result.text if result.finish_reason != "error" else (result.text or None),
-            finish_reason=result.finish_reason,
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.completion_tokens,
-            error=result.error,
-        )
-        out.update(row_metrics(result))  # queue_wait_s, ttft_s, decode_s
-        if result.finish_reason == "error" and not out["error"]:
-            out["error"] = "the engine failed this row without a message"
-        if self.constraint is not None and result.finish_reason != "error":
-            value, err = _validate(self.constraint, result.text)
-            if err is not None:
-                if result.finish_reason == "length":
-                    out["error"] = f"output cut at max_tokens ({result.completion_tokens} tokens) before it matched: {err}"
-                else:
-                    out["finish_reason"] = "error"
-                    out["error"] = f"output does not match the constraint: {err}"
-            elif self.schema is not None:
-                out["output"] = self._to_arrow(value)  # type: ignore[misc]
-        if self.schema is not None:
-            out.setdefault("output", None)
-        return out
-
-
-def _arrow_mapping(schema: dict[str, Any]) -> tuple[pa.DataType, Callable[[Any], Any]]:
-    """The `output` column type for a JSON schema (an Arrow struct etc.), or JSON text where none fits."""
-    from batchinfer.structured.arrow import arrow_type_for_schema, to_arrow_value
-
-    typ = arrow_type_for_schema(schema)
-    return (typ if typ is not None else pa.string()), (lambda v: to_arrow_value(v, schema))
-
-
-def _validate(constraint: Any, text: str) -> tuple[Any, str | None]:
-    from batchinfer.structured.validate import validate_output
-
-    return validate_output(constraint, text)
-
-
 # ---- stage 5: drive the engine -----------------------------------------------------------------------
 
 
@@ -386,7 +114,7 @@ class Progress:
     started: float = field(default_factory=time.perf_counter)
 
 
-def _reject_line(r: Reject) -> str:
+def reject_line(r: Reject) -> str:
     return json.dumps({"file": r.file, "line": r.line, "text": r.text, "reason": r.reason}, ensure_ascii=False)
 
 
@@ -423,7 +151,7 @@ def execute(
         n = 0
         for item in items:
             if isinstance(item, Reject):
-                rejects_file.write(_reject_line(item) + "\n")
+                rejects_file.write(reject_line(item) + "\n")
                 progress.rejects += 1
                 continue
             meta = RowMeta(builder.keys(item), item.file, item.line)
@@ -454,7 +182,7 @@ def execute(
 # ---- the whole job ------------------------------------------------------------------------------------
 
 
-def _progress_bar(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="row", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
@@ -600,7 +328,7 @@ def _run_plan(
     rejects_path = out / mf.REJECTS
     if pending == 0:
         rejects = sum(1 for _ in rejects_path.open()) if rejects_path.exists() else 0
-        s = _summary(plan, rejects, Progress(), 0.0, nothing_to_do=True)
+        s = summarize(plan, rejects, Progress(), 0.0, nothing_to_do=True)
         log.debug("%s", s.describe())
         return s
     obs = _start_observer(observe)
@@ -660,11 +388,11 @@ def _run_pending(
     columns = output_schema(plan.key_types, converter.output_type)
     if plan.manifest.parts:  # resume output written before a column existed: keep the parts' schema
         names = set(existing_schema(out, plan.manifest.parts[0].name).names)
-        columns = {k: v for k, v in columns.items() if k in names or k not in _RESULT_NAMES}
+        columns = {k: v for k, v in columns.items() if k in names or k not in RESULT_NAMES}
     writer = PartWriter(plan.manifest, columns, spec.output.rows_per_part, spec.output.seconds_per_part, on_commit)
     needed = sorted(set(builder.key_names) | set(builder.prompts.columns))
     stats = Progress()
-    bar = _progress_bar(pending, progress and sys.stderr.isatty())
+    bar = progress_bar(pending, progress and sys.stderr.isatty())
 
     def tick(p: Progress) -> None:
         bar.update(1)
@@ -686,13 +414,13 @@ def _run_pending(
         tmp_rejects.replace(rejects_path)
     finally:
         bar.close()
-    s = _summary(plan, stats.rejects, stats, time.perf_counter() - stats.started)
+    s = summarize(plan, stats.rejects, stats, time.perf_counter() - stats.started)
     s = dataclasses.replace(s, load_seconds=stats.started - t0)
     log.debug("%s", s.describe())
     return s
 
 
-def _summary(plan: JobPlan, rejects: int, stats: Progress, seconds: float, nothing_to_do: bool = False) -> RunSummary:
+def summarize(plan: JobPlan, rejects: int, stats: Progress, seconds: float, nothing_to_do: bool = False) -> RunSummary:
     m = plan.manifest
     return RunSummary(
         output_path=str(plan.output_dir),

@@ -19,7 +19,8 @@ from batchinfer.io.manifest import MANIFEST, REJECTS
 from batchinfer.io.readers import Row
 from batchinfer.io.writer import output_schema
 from batchinfer.job import JobError, load_job
-from batchinfer.run import RunError, plan_inputs
+from batchinfer.plan import plan_inputs
+from batchinfer.run import RunError
 
 N_ROWS = 48
 

@@ -149,7 +149,7 @@ class Coordinator:
 
     def _read(self, n: int) -> None:
         """Move up to n more pending rows into the backlog (rejects go to the rejects file)."""
-        from batchinfer.run import _reject_line
+        from batchinfer.run import reject_line
 
         while n > 0 and not self.source_done:
             try:
@@ -158,7 +158,7 @@ class Coordinator:
                 self.source_done = True
                 return
             if isinstance(item, Reject):
-                self.rejects_file.write(_reject_line(item) + "\n")
+                self.rejects_file.write(reject_line(item) + "\n")
                 self.outcome.rejects += 1
                 continue
             self.backlog.append(item)
@@ -436,7 +436,9 @@ def run_data_parallel(
     import sys
 
     from batchinfer.io.writer import existing_schema, output_schema
-    from batchinfer.run import _RESULT_NAMES, Progress, ResultConverter, _progress_bar, _summary, pending_rows
+    from batchinfer.plan import pending_rows
+    from batchinfer.results import RESULT_NAMES, ResultConverter
+    from batchinfer.run import Progress, progress_bar, summarize
 
     spec = plan.spec
     out = plan.output_dir
@@ -447,10 +449,10 @@ def run_data_parallel(
     columns = output_schema(plan.key_types, converter.output_type)
     if plan.manifest.parts:  # resume output written before a column existed: keep the parts' schema
         names = set(existing_schema(out, plan.manifest.parts[0].name).names)
-        columns = {k: v for k, v in columns.items() if k in names or k not in _RESULT_NAMES}
+        columns = {k: v for k, v in columns.items() if k in names or k not in RESULT_NAMES}
     needed = sorted(set([spec.input.id_column, *spec.output.keep_columns]) | set(template_columns(spec, plan.model_dir)))
     stats = Progress()
-    bar = _progress_bar(pending, progress and sys.stderr.isatty())
+    bar = progress_bar(pending, progress and sys.stderr.isatty())
 
     def on_record(rec: Any) -> None:
         stats.rows += 1
@@ -475,7 +477,7 @@ def run_data_parallel(
     stats.rows, stats.errors, stats.rejects = outcome.rows, outcome.errors, outcome.rejects
     stats.prompt_tokens, stats.completion_tokens = outcome.prompt_tokens, outcome.completion_tokens
     elapsed = time.perf_counter() - t0
-    s = _summary(plan, outcome.rejects, stats, max(0.0, elapsed - outcome.load_seconds))
+    s = summarize(plan, outcome.rejects, stats, max(0.0, elapsed - outcome.load_seconds))
     return dataclasses.replace(s, load_seconds=outcome.load_seconds)
 
 

@@ -99,7 +99,8 @@ def worker_main(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> Non
 
 def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> None:
     from batchinfer.job import load_job
-    from batchinfer.run import RequestBuilder, ResultConverter
+    from batchinfer.requests import RequestBuilder
+    from batchinfer.results import ResultConverter
 
     spec = load_job(args.job, args.overrides)
     if args.threads:

@@ -61,7 +61,8 @@ class EngineActor:
     def __init__(self, job: dict[str, Any], folder: str, fingerprint: str, columns: dict[str, Any], finished: pa.Array,
                  counter: Any, engine_factory: Callable[..., Any], read_columns: list[str]) -> None:
         from batchinfer.job import load_job
-        from batchinfer.run import RequestBuilder, ResultConverter
+        from batchinfer.requests import RequestBuilder
+        from batchinfer.results import ResultConverter
 
         self.spec = load_job(job)
         self.folder, self.fingerprint, self.columns, self.counter = folder, fingerprint, columns, counter
@@ -202,7 +203,9 @@ def run_ray(
     from batchinfer.executors.data_parallel import template_columns
     from batchinfer.io.readers import Row
     from batchinfer.io.writer import existing_schema, output_schema
-    from batchinfer.run import _RESULT_NAMES, Progress, ResultConverter, RunError, _progress_bar, _summary, pending_rows
+    from batchinfer.plan import pending_rows
+    from batchinfer.results import RESULT_NAMES, ResultConverter
+    from batchinfer.run import Progress, RunError, progress_bar, summarize
 
     ray = import_ray()
     if not ray.is_initialized():
@@ -217,7 +220,7 @@ def run_ray(
     columns = output_schema(plan.key_types, converter.output_type)
     if plan.manifest.parts:  # resume output written before a column existed: keep the parts' schema
         names = set(existing_schema(out, plan.manifest.parts[0].name).names)
-        columns = {k: v for k, v in columns.items() if k in names or k not in _RESULT_NAMES}
+        columns = {k: v for k, v in columns.items() if k in names or k not in RESULT_NAMES}
     needed = sorted(set([spec.input.id_column, *spec.output.keep_columns]) | set(template_columns(spec, plan.model_dir)))
     head = [r.values for r in itertools.islice((r for r in pending_rows(plan, needed) if isinstance(r, Row)), 256)]
     columns = infer_types(columns, head)  # every actor writes the same schema
@@ -225,7 +228,7 @@ def run_ray(
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
         ds, counter = _engine_stage(ray, plan, needed, columns, engine_factory, actors, gpus)
     stats = Progress()
-    bar = _progress_bar(pending, progress and sys.stderr.isatty())
+    bar = progress_bar(pending, progress and sys.stderr.isatty())
     known = {p.name for p in plan.manifest.parts}
     committed = errors = 0
     started = time.perf_counter()
@@ -256,5 +259,5 @@ def run_ray(
         bar.close()
         ray.kill(counter)
     stats.rows, stats.errors = committed, errors
-    s = _summary(plan, 0, stats, time.perf_counter() - started)
+    s = summarize(plan, 0, stats, time.perf_counter() - started)
     return dataclasses.replace(s, load_seconds=started - t0)

@@ -1,0 +1,46 @@
+"""Stage 3 of a job: a row becomes an engine Request (prompt rendered and tokenised), or a RowError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchinfer.engine.request import Request
+from batchinfer.io.readers import Row
+from batchinfer.job import JobSpec
+from batchinfer.prompts import PromptBuilder, RowError
+
+
+# ---- stage 3: rows to requests -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowMeta:
+    """What the writer needs of a row once its result comes back (not the row's text)."""
+
+    keys: dict[str, Any]
+    file: str
+    line: int
+    prompt_tokens: int = 0
+
+
+class RequestBuilder:
+    """Stage 3: a row becomes a Request (or a RowError naming what is wrong with it)."""
+
+    def __init__(self, spec: JobSpec, tokenizer: Any, max_model_len: int, constraint: Any) -> None:
+        self.spec = spec
+        self.prompts = PromptBuilder(spec.prompt, tokenizer)
+        self.max_model_len = max_model_len
+        self.sampling = spec.sampling.to_params()
+        self.constraint = constraint
+        self.key_names = [spec.input.id_column] + [c for c in spec.output.keep_columns if c != spec.input.id_column]
+
+    def keys(self, row: Row) -> dict[str, Any]:
+        return {k: row.values.get(k) for k in self.key_names}
+
+    def build(self, row: Row, request_id: str) -> Request:
+        text, ids = self.prompts.encode(row.values)
+        if len(ids) >= self.max_model_len:
+            limit = self.max_model_len
+            raise RowError(f"prompt has {len(ids)} tokens; the model allows at most {limit - 1} (max_model_len {limit})")
+        return Request(request_id, ids, self.sampling, self.constraint, text)

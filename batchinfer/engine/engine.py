@@ -17,11 +17,12 @@ N+1 while the device runs step N. One loop iteration (`_step`):
   2. pack N+1 and launch its forward; the input id of each decoding row is gathered ON THE DEVICE
      from N's sampled-token tensor (model_runner.prepare), so nothing waits for N here;
   3. read N's tokens (waits on a CUDA event recorded after their copy to pinned host memory: the only
-     host sync per step) and post-process them: swap placeholders for tokens, stop checks, grammar
-     accept, finish sequences (their blocks are freed now);
-  4. complete N+1's bookkeeping, build its bans and grammar masks (the matchers have just accepted
-     N's tokens, so masks are exact; they are built while N+1's forward runs), launch its sampling
-     and the copy of its tokens; N+1 is now the step in flight.
+     host sync per step); feed them to the grammars (one batched accept per library) and start
+     N+1's grammar masks (on a helper thread where the library's fill holds no GIL); then
+     post-process: swap placeholders for tokens, stop checks, finish sequences (blocks freed now);
+  4. complete N+1's bookkeeping, build its bans, wait for its grammar masks (the matchers had
+     accepted N's tokens, so masks are exact; they are built while N+1's forward runs), launch its
+     sampling and the copy of its tokens; N+1 is now the step in flight.
 
 Invariants: (a) at most one step is in flight, and a sequence holds at most one placeholder;
 (b) every host decision that depends on a token VALUE (finishing, grammar masks, min_tokens bans,
@@ -59,6 +60,14 @@ from batchinfer.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from batchinfer.engine.stats import StepStats
 from batchinfer.models.loader import load_tokenizer
 from batchinfer.structured.base import Constraint, GrammarError
+
+
+@dataclass(frozen=True)
+class _PendingFill:
+    """Masks of a step's sampling rows being filled while the step before is post-processed."""
+
+    pending: Any  # structured.compiler.PendingFill
+    rows: list[int]  # the sampling rows it fills
 
 
 @dataclass
@@ -217,13 +226,13 @@ class Engine:
             batch = self.runner.prepare(step.seqs, step.num_tokens, step.samples, pending)
             logits = self._device_call(self.runner.forward, batch)
             marks = (self._last_end, start, self.runner.mark())
-        results = self._read_inflight() if self._inflight is not None else []
+        sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
+        results, fill = self._read_inflight(sampling if step.seqs else None) if self._inflight is not None else ([], None)
         if step.seqs:
             self.scheduler.complete_step(step)
-            sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
             live = [s.status is SequenceStatus.RUNNING for s in sampling]
             bans = [self._bans(s) if ok else [] for s, ok in zip(sampling, live)]
-            bitmask = self._bitmask(sampling, live)
+            bitmask = self._bitmask(sampling, live, fill)
             sample_start = self.runner.mark()
             if sampling:
                 tokens = self._device_call(self.runner.sample_tokens, logits, sampling, bans, bitmask)
@@ -237,7 +246,7 @@ class Engine:
                     seq.pending_row = row
                     seq.final_pending = seq.num_generated >= seq.max_tokens or seq.num_tokens >= self.max_model_len
             if not self.config.overlap:
-                results += self._read_inflight()
+                results += self._read_inflight(None)[0]
         self._report(step, t0, len(results))
         return results
 
@@ -251,24 +260,69 @@ class Engine:
         finally:
             self._wait_s += time.perf_counter() - t
 
-    def _read_inflight(self) -> list[Result]:
-        """Wait for the in-flight step's tokens, append them, finish the sequences they end."""
+    def _read_inflight(self, next_sampling: list[Sequence] | None) -> tuple[list[Result], _PendingFill | None]:
+        """Wait for the in-flight step's tokens, append them, finish the sequences they end.
+
+        Grammar work first, so that the next step's masks start as early as possible: all matchers
+        accept their tokens in one batched call, then (next_sampling given: the sampling rows of the
+        step just launched) the masks of those rows start filling (on a helper thread where the
+        library allows it) while the rest of the post-processing (detokenising, stop strings,
+        finishing) runs. Returns the finished requests and that fill (None if nothing to fill).
+        """
         flight, self._inflight = self._inflight, None
         t = time.perf_counter()
         tokens = flight.tokens.tolist()
         self._wait_s += time.perf_counter() - t
         self._idle_ms = self._idle_gaps_ms(flight)
         now = time.perf_counter()
+        # rows of sequences that had finished before this step launched are wasted: never read
+        rows = [(seq, token) for row, (seq, token) in enumerate(zip(flight.sampling, tokens))
+                if seq.pending_row == row and not seq.is_finished]
+        verdicts = self._accept_tokens(rows)
+        fill = self._start_fill(next_sampling, rows, verdicts) if next_sampling else None
         results = []
-        for row, (seq, token) in enumerate(zip(flight.sampling, tokens)):
-            if seq.pending_row != row or seq.is_finished:
-                continue  # a wasted row: the sequence had finished before this step launched
+        for (seq, token), verdict in zip(rows, verdicts):
             seq.token_ids.pop()  # the placeholder
             seq.pending_row, seq.final_pending = None, False
-            if self._append(seq, token, now):
+            if self._append(seq, token, now, verdict):
                 self.scheduler.finish(seq)
                 results.append(self._result(seq))
-        return results
+        return results, fill
+
+    def _accept_tokens(self, rows: list[tuple[Sequence, int]]) -> list[str | None]:
+        """Advance every grammar of `rows` by its token, batched per library. Per row: None (no
+        grammar), "ok", "rejected" or "terminated" (accepted, and the grammar has reached its end)."""
+        verdicts: list[str | None] = [None] * len(rows)
+        at = [k for k, (seq, _) in enumerate(rows) if seq.matcher is not None]
+        if not at:
+            return verdicts
+        matchers = [rows[k][0].matcher for k in at]
+        accepted = self._compiler.accept_tokens(matchers, [rows[k][1] for k in at])
+        for k, m, ok in zip(at, matchers, accepted):
+            verdicts[k] = ("terminated" if m.is_terminated() else "ok") if ok else "rejected"
+        return verdicts
+
+    def _start_fill(
+        self, sampling: list[Sequence], read: list[tuple[Sequence, int]], verdicts: list[str | None]
+    ) -> _PendingFill | None:
+        """Start the masks of the next step's sampling rows whose grammar goes on (see _read_inflight).
+
+        A sequence whose token was just read qualifies only if its grammar accepted the token and has
+        not ended; rows of sequences that still finish this step (stop string, length) are reset to
+        all-allowed in _bitmask. The matchers are not touched again until the fill is waited for.
+        """
+        if self._compiler is None:
+            return None
+        ended = {id(seq) for (seq, _), v in zip(read, verdicts) if v in ("rejected", "terminated")}
+        rows = [r for r, s in enumerate(sampling)
+                if s.matcher is not None and s.status is SequenceStatus.RUNNING and id(s) not in ended]
+        if not rows:
+            return None
+        from batchinfer.structured.bitmask import allocate_token_bitmask
+
+        mask = allocate_token_bitmask(len(sampling), self.runner.vocab_size, pin_memory=self.runner.device.type == "cuda")
+        pending = self._compiler.start_fill([sampling[r].matcher for r in rows], mask, rows)
+        return _PendingFill(pending, rows)
 
     def _idle_gaps_ms(self, flight: _InFlight) -> float | None:
         """How long the GPU sat idle waiting for the host around this step: from the end of the step
@@ -287,24 +341,39 @@ class Engine:
         ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         return sorted(i for i in ids if 0 <= i < self.runner.vocab_size)
 
-    def _bitmask(self, sampling: list[Sequence], live: list[bool]):
+    def _bitmask(self, sampling: list[Sequence], live: list[bool], fill: _PendingFill | None = None):
         """int32 CPU bitmask for the sampling rows, or None when no live row has a grammar
-        (rows of finished sequences stay all-allowed: their tokens are never read)."""
-        if not any(s.matcher is not None and ok for s, ok in zip(sampling, live)):
-            return None
-        from batchinfer.structured.bitmask import allocate_token_bitmask
+        (rows of finished sequences stay all-allowed: their tokens are never read).
 
-        # pinned on a GPU, so that its copy to the device does not wait for the work queued before it
-        mask = allocate_token_bitmask(len(sampling), self.runner.vocab_size, pin_memory=self.runner.device.type == "cuda")
+        fill: the masks _read_inflight started for these rows; waited for here (always: the
+        library may still be writing into its tensor)."""
+        mask = fill.pending.wait() if fill is not None else None
         rows = [row for row, (seq, ok) in enumerate(zip(sampling, live)) if seq.matcher is not None and ok]
-        # one batched call per grammar library, on the library's own threads (GIL released)
-        self._compiler.fill_next_token_bitmasks([sampling[r].matcher for r in rows], mask, rows)
+        if not rows:
+            return None
+        if mask is None:
+            from batchinfer.structured.bitmask import allocate_token_bitmask
+
+            # pinned on a GPU, so that its copy to the device does not wait for the work queued before it
+            mask = allocate_token_bitmask(len(sampling), self.runner.vocab_size, pin_memory=self.runner.device.type == "cuda")
+            missing = rows
+        else:
+            filled = set(fill.rows)
+            stale = [r for r in fill.rows if not live[r]]
+            if stale:
+                mask[stale] = -1
+            missing = [r for r in rows if r not in filled]
+        if missing:
+            # one batched call per grammar library, on the library's own threads (GIL released)
+            self._compiler.fill_next_token_bitmasks([sampling[r].matcher for r in missing], mask, missing)
         return mask
 
-    def _append(self, seq: Sequence, token: int, now: float) -> bool:
+    def _append(self, seq: Sequence, token: int, now: float, verdict: str | None = None) -> bool:
         """Add a sampled token; decide whether the sequence is finished (and why). True if finished.
 
-        A final EOS / stop token id stays in output_token_ids but not in the text.
+        verdict: what the grammar said of the token, when _accept_tokens already fed it (else
+        the matcher is asked here). A final EOS / stop token id stays in output_token_ids but not
+        in the text.
         """
         p = seq.request.sampling
         seq.token_ids.append(token)
@@ -315,10 +384,12 @@ class Engine:
         error: str | None = None
         text: str | None = None
         if seq.matcher is not None:
-            if not seq.matcher.accept_token(token):
+            if verdict is None:
+                verdict = ("terminated" if seq.matcher.is_terminated() else "ok") if seq.matcher.accept_token(token) else "rejected"
+            if verdict == "rejected":
                 reason = "error"
                 error = f"request {seq.request.request_id}: the grammar rejected sampled token {token}"
-            elif seq.matcher.is_terminated():
+            elif verdict == "terminated":
                 reason = reason or "stop"
         if seq.detokenizer is not None and not ends_by_id:
             new = seq.detokenizer.add(token)

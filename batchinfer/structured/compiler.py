@@ -28,6 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -131,6 +132,7 @@ class GrammarCompiler:
         self._backends: dict[str, Any] = shared_backends if shared_backends is not None else {}
         self._memo: dict[tuple[Constraint, tuple[str, ...]], CompiledGrammar] = {}
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
         self.last_compile_s = 0.0
         self.last_errors: list[str] = []
 
@@ -228,18 +230,101 @@ class GrammarCompiler:
         xgrammar and llguidance fill their matchers on their own thread pools (GIL released);
         the rest row by row.
         """
+        self.start_fill(matchers, bitmask, indices, background=False).wait()
+
+    def start_fill(
+        self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, indices: Sequence[int], background: bool = True
+    ) -> "PendingFill":
+        """Begin filling rows indices[k] of `bitmask` for matchers[k]; PendingFill.wait() completes it.
+
+        With background=True the libraries whose fill holds no GIL (llguidance) start at once on a
+        helper thread, so the caller can keep working (the engine post-processes the other rows of
+        a step meanwhile); everything else runs in wait(). Until wait() returns, the matchers must
+        not be advanced and the bitmask not read.
+        """
         groups: dict[str, tuple[list[Any], list[int]]] = {}
+        rest: list[tuple[GrammarMatcher, int]] = []
         for m, i in zip(matchers, indices):
-            name = type(m).__name__
-            if name in ("XGrammarMatcher", "LLGuidanceMatcher"):
-                groups.setdefault(name, ([], []))
-                groups[name][0].append(m)
-                groups[name][1].append(int(i))
-            else:
-                m.fill_next_token_bitmask(bitmask, int(i))
-        for name, (ms, idx) in groups.items():
-            backend = self._backend("xgrammar" if name == "XGrammarMatcher" else "llguidance")
-            backend.batch_fill(ms, bitmask, idx)
+            name = _BATCHED.get(type(m).__name__)
+            if name is None:
+                rest.append((m, int(i)))
+                continue
+            ms, idx = groups.setdefault(name, ([], []))
+            ms.append(m)
+            idx.append(int(i))
+        batches = [(self._backend(name), ms, idx) for name, (ms, idx) in groups.items()]
+        early = [x for x in batches if background and x[0].fills_in_background]
+        if not early:
+            return PendingFill(bitmask, batches, rest, None, set())
+        future = self._fill_thread().submit(_fill_all, early, bitmask)
+        return PendingFill(bitmask, batches, rest, future, {id(b) for b, _, _ in early})
+
+    def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+        """accept_token(tokens[k]) for each matchers[k], batched per library; the accepted flags.
+
+        A rejected token may leave an llguidance matcher in an error state (see its accept_tokens):
+        use this where a rejection ends the sequence, as in the engine.
+        """
+        ok = [False] * len(matchers)
+        groups: dict[str, tuple[list[Any], list[int], list[int]]] = {}
+        for k, (m, t) in enumerate(zip(matchers, tokens)):
+            name = _BATCHED.get(type(m).__name__)
+            if name is None:
+                ok[k] = bool(m.accept_token(int(t)))
+                continue
+            ms, ts, where = groups.setdefault(name, ([], [], []))
+            ms.append(m)
+            ts.append(int(t))
+            where.append(k)
+        for name, (ms, ts, where) in groups.items():
+            for k, good in zip(where, self._backend(name).accept_tokens(ms, ts)):
+                ok[k] = good
+        return ok
+
+    def _fill_thread(self) -> ThreadPoolExecutor:
+        """The one helper thread that runs background fills (created on first use)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-fill")
+            return self._pool
+
+
+# matcher class -> the backend whose fill_rows / finish_rows / accept_tokens batch it
+_BATCHED = {"XGrammarMatcher": "xgrammar", "LLGuidanceMatcher": "llguidance"}
+
+
+def _fill_all(batches: list[tuple[Any, list[Any], list[int]]], bitmask: torch.Tensor) -> None:
+    """Run each backend's library fill (on the helper thread: these release the GIL)."""
+    for backend, ms, idx in batches:
+        backend.fill_rows(ms, bitmask, idx)
+
+
+class PendingFill:
+    """A bitmask fill in progress (GrammarCompiler.start_fill); wait() finishes it and returns the bitmask."""
+
+    def __init__(self, bitmask: torch.Tensor, batches: list, rest: list, future: Future | None, started: set[int]) -> None:
+        self.bitmask = bitmask
+        self._batches = batches
+        self._rest = rest
+        self._future = future
+        self._started = started
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if self._done:
+            return self.bitmask
+        self._done = True
+        for m, i in self._rest:
+            m.fill_next_token_bitmask(self.bitmask, i)
+        for backend, ms, idx in self._batches:
+            if id(backend) not in self._started:
+                backend.fill_rows(ms, self.bitmask, idx)
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+        for backend, ms, idx in self._batches:
+            backend.finish_rows(ms, self.bitmask, idx)
+        return self.bitmask
 
 
 # Keywords outlines-core 0.2 accepts but does not enforce (answers would fail validation later).

@@ -7,6 +7,7 @@ computing a mask. Grammars are cheap to rebuild, so nothing is cached on disk fo
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -149,29 +150,82 @@ class LLGuidanceBackend:
             raise GrammarError(f"llguidance cannot compile this {constraint.kind}: {probe.get_error()[:300]}")
         return compiled
 
-    def batch_fill(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        """Fill many rows at once on llguidance's thread pool."""
+    # its mask fill runs in Rust with the GIL released for the whole call, so the engine may run
+    # it on a background thread while the main thread keeps post-processing (see compiler.PendingFill)
+    fills_in_background = True
+
+    def _pool(self) -> Any:
+        """llguidance's thread pool, one per backend. llguidance's default (80% of the CPUs) leaves one
+        of two cores idle while the engine waits for the fill, so: every CPU on small machines, all
+        but one on larger hosts, where the engine's own thread keeps post-processing during the fill."""
         import llguidance
 
         if not hasattr(self, "_executor"):
-            self._executor = llguidance.LLExecutor()
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            self._executor = llguidance.LLExecutor(num_threads=cpus if cpus <= 4 else cpus - 1)
+        return self._executor
+
+    def fill_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """Fill rows indices[k] for matchers[k] on llguidance's thread pool (no EOS mirroring yet)."""
         row_bytes = bitmask.shape[1] * 4
-        self._executor.unsafe_compute_mask_ptr(
+        self._pool().unsafe_compute_mask_ptr(
             [(m.raw, i) for m, i in zip(matchers, indices)], bitmask.data_ptr(), row_bytes, bitmask.shape[0]
         )
+
+    def finish_rows(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """After fill_rows: allow every EOS id in the rows where llguidance allows its own."""
+        by_eos: dict[tuple[int, ...], list[int]] = {}
         for m, i in zip(matchers, indices):
             if len(m._eos) > 1:
-                _mirror_eos(m, bitmask, i)
+                by_eos.setdefault(m._eos, []).append(i)
+        for eos, rows in by_eos.items():
+            mirror_eos_rows(bitmask, rows, eos)
+
+    def batch_fill(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """Fill many rows at once on llguidance's thread pool."""
+        self.fill_rows(matchers, bitmask, indices)
+        self.finish_rows(matchers, bitmask, indices)
+
+    def accept_tokens(self, matchers: list[LLGuidanceMatcher], tokens: list[int]) -> list[bool]:
+        """accept_token for many matchers, the ordinary tokens consumed in one parallel call.
+
+        Unlike accept_token, a rejected token may leave its matcher in an error state (llguidance's
+        consume_token); callers end such a sequence anyway (the engine finishes it as an error).
+        """
+        ok = [False] * len(matchers)
+        batch: list[tuple[Any, int]] = []
+        where: list[int] = []
+        for k, (m, t) in enumerate(zip(matchers, tokens)):
+            raw = m._m
+            if m._ended or raw.is_error():
+                continue
+            if t in m._eos:
+                if raw.is_accepting():
+                    m._ended = ok[k] = True
+                continue
+            batch.append((raw, t))
+            where.append(k)
+        if batch:
+            for k, good in zip(where, self._pool().consume_token_par(batch)):
+                ok[k] = bool(good)
+        return ok
+
+
+def mirror_eos_rows(bitmask: torch.Tensor, rows: list[int], eos_ids: tuple[int, ...]) -> None:
+    """llguidance knows one EOS id (eos_ids[0]); in bitmask rows where it is allowed, set the other
+    EOS ids' bits too. One vectorised op per extra id over all rows (no per-row Python)."""
+    idx = torch.as_tensor(rows, dtype=torch.long)
+    w, b = divmod(eos_ids[0], 32)
+    allowed = ((bitmask[idx, w] >> b) & 1).bool()
+    for e in eos_ids[1:]:
+        we, be = divmod(e, 32)
+        bit = torch.tensor(_as_int32(1 << be), dtype=torch.int32)
+        bitmask[idx, we] |= torch.where(allowed, bit, torch.zeros((), dtype=torch.int32))
 
 
 def _mirror_eos(m: LLGuidanceMatcher, bitmask: torch.Tensor, index: int) -> None:
-    """llguidance knows one EOS id; where it allows it, allow the other EOS ids too."""
-    row = bitmask[index]
-    w, b = divmod(m._main_eos, 32)
-    if (int(row[w]) >> b) & 1:
-        for e in m._eos[1:]:
-            we, be = divmod(e, 32)
-            row[we] = _as_int32(int(row[we]) | (1 << be))
+    """One row of mirror_eos_rows (the single-matcher fill path)."""
+    mirror_eos_rows(bitmask, [index], m._eos)
 
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceCompiled", "LLGuidanceMatcher"]

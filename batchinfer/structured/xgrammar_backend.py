@@ -133,16 +133,38 @@ class XGrammarBackend:
         compiled = xgr.CompiledGrammar.deserialize_json(data.decode(), self._info)
         return XGrammarCompiled(compiled, self.vocab.eos_ids, self._safe_row(constraint))
 
-    def batch_fill(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        """Fill many rows at once with xgrammar's threaded batch matcher (releases the GIL)."""
+    # its batch fill takes the GIL back once per matcher, so on a background thread it would wait
+    # ~5 ms (the interpreter's switch interval) per matcher whenever the main thread runs Python
+    fills_in_background = False
+
+    def fill_rows(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """Fill rows indices[k] for matchers[k] with xgrammar's threaded batch matcher (no safe rows yet)."""
         import xgrammar as xgr
 
         if not hasattr(self, "_batch"):
             self._batch = xgr.BatchGrammarMatcher()
         self._batch.batch_fill_next_token_bitmask([m.raw for m in matchers], bitmask, list(indices))
+
+    def finish_rows(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """After fill_rows: AND each row with its matcher's JSON-safe row, one op per distinct safe row."""
+        groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
         for m, i in zip(matchers, indices):
             if m.safe_row is not None:
-                bitmask[i] &= m.safe_row
+                groups.setdefault(id(m.safe_row), (m.safe_row, []))[1].append(i)
+        for safe, rows in groups.values():
+            idx = torch.as_tensor(rows, dtype=torch.long)
+            bitmask[idx] &= safe
+
+    def batch_fill(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """Fill many rows at once with xgrammar's threaded batch matcher (releases the GIL)."""
+        self.fill_rows(matchers, bitmask, indices)
+        self.finish_rows(matchers, bitmask, indices)
+
+    def accept_tokens(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> list[bool]:
+        """accept_token for many matchers in one call into xgrammar (a rejected token changes nothing)."""
+        import xgrammar as xgr
+
+        return [bool(x) for x in xgr.BatchGrammarMatcher.batch_accept_token([m.raw for m in matchers], list(tokens))]
 
 
 def _first_line(e: Exception) -> str:

@@ -1,7 +1,9 @@
-"""--executor ray on a local Ray instance gives the same output as the local executor (greedy float32)."""
+"""--executor ray on a local Ray instance gives the same output as the local executor (greedy float32),
+and treats bad input rows the same way (`_rejects.jsonl`, row errors, exit code)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -9,12 +11,15 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
+from typer.testing import CliRunner
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 import batchinfer  # noqa: E402
-from batchinfer.io.manifest import MANIFEST  # noqa: E402
+from batchinfer.cli import app  # noqa: E402
+from batchinfer.io.manifest import MANIFEST, REJECTS  # noqa: E402
 
 N_ROWS = 24
 
@@ -67,3 +72,55 @@ def test_ray_executor_matches_local_and_resumes(tiny_model, tmp_path, local_ray)
     assert local.this_run_rows == N_ROWS
     assert batchinfer.run(job(tiny_model, tmp_path, "ray"), executor="ray").nothing_to_do
 
+
+
+def write_bad_inputs(tmp: Path) -> None:
+    """Good rows with every kind of bad line between them, in JSONL, JSONL.gz and Parquet (a null id)."""
+    doc = lambda i: {"doc_id": i, "text": f"receipt {i} paid {i * 3}", "title": f"T{i}"}  # noqa: E731
+    (tmp / "in").mkdir()
+    pq.write_table(pa.Table.from_pylist([doc(0), {"doc_id": None, "text": "null id", "title": "N"}, doc(1)]), tmp / "in" / "a.parquet")
+    lines = [json.dumps(doc(2)), "this is not json {", "[1, 2]", json.dumps({"text": "no id", "title": "x"}), "",
+             json.dumps(doc(3)), json.dumps({"doc_id": None, "text": "null"}), json.dumps({"doc_id": 4, "title": "no text"}),
+             '"just a string"', json.dumps({"doc_id": [5], "text": "list id"}), json.dumps(doc(6))]
+    (tmp / "in" / "b.jsonl").write_text("\n".join(lines) + "\n")
+    with gzip.open(tmp / "in" / "c.jsonl.gz", "wt") as fh:
+        fh.write(json.dumps(doc(7)) + "\nnot json either\n" + json.dumps(doc(8)) + "\n")
+
+
+def test_ray_rejects_bad_lines_like_local(tiny_model, tmp_path, local_ray):
+    write_bad_inputs(tmp_path)
+    # the Ray run resumes a local one that did b.jsonl: its rows are finished, its rejects are listed again
+    first = job(tiny_model, tmp_path, "ray")
+    first["input"]["path"] = str(tmp_path / "in" / "b.jsonl")
+    assert batchinfer.run(first).this_run_rows == 4
+    runs = {}
+    for name, executor in (("local", "local"), ("ray", "ray")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(job(tiny_model, tmp_path, name)))
+        res = CliRunner().invoke(app, ["run", str(path), "--quiet", "--executor", executor])
+        assert res.exception is None or isinstance(res.exception, SystemExit), res.output
+        # the run finishes; the bad lines push the error rate over the default 0 -> exit 3, not 1
+        assert res.exit_code == 3, res.output
+        runs[name] = (res.exit_code, batchinfer.run(job(tiny_model, tmp_path, name), executor=executor))
+    (lcode, local), (rcode, ray_s) = runs["local"], runs["ray"]
+    assert rcode == lcode and ray_s.nothing_to_do
+    assert (ray_s.rejects, ray_s.rows_done, ray_s.error_rows, ray_s.error_rate) == (local.rejects, local.rows_done, local.error_rows, local.error_rate)
+    assert local.rejects == 8 and local.rows_done == 8 and local.error_rows == 1
+    # the same rejects, in the same order: file, line, start of the line, reason
+    lr = (tmp_path / "local" / REJECTS).read_text()
+    assert (tmp_path / "ray" / REJECTS).read_text() == lr
+    got = [(Path(r["file"]).name, r["line"], r["reason"]) for r in map(json.loads, lr.splitlines())]
+    assert got == [
+        ("a.parquet", 2, "id column 'doc_id' is null"),
+        ("b.jsonl", 2, "not valid JSON: Expecting value"), ("b.jsonl", 3, "not a JSON object (a list)"),
+        ("b.jsonl", 4, "id column 'doc_id' is missing"), ("b.jsonl", 7, "id column 'doc_id' is null"),
+        ("b.jsonl", 9, "not a JSON object (a str)"), ("b.jsonl", 10, "id column 'doc_id' is not a scalar"),
+        ("c.jsonl.gz", 2, "not valid JSON: Expecting value"),
+    ]
+    assert not list((tmp_path / "ray").glob("_tmp*"))  # the readers' per-file reject lists are gone
+    cols = ["doc_id", "title", "output_text", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
+    a = pl.read_parquet(tmp_path / "local" / "*.parquet").sort("doc_id").select(cols)
+    b = pl.read_parquet(tmp_path / "ray" / "*.parquet").sort("doc_id").select(cols)
+    assert b["doc_id"].to_list() == [0, 1, 2, 3, 4, 6, 7, 8]  # every good id exactly once
+    assert a.equals(b)  # identical output per id, the row error included (line number of row 4 too)
+    assert "template column 'text' is missing" in b.filter(pl.col("doc_id") == 4)["error"].item()

@@ -13,9 +13,18 @@ Ray's actor restarts and task retries are turned off for the engine stage: a ret
 write its rows again next to a part the first attempt may have committed. A dead actor therefore
 fails the run (exit 1), and running it again resumes.
 
+Bad input rows are handled as in a local run ("one bad row never kills a job"). Parquet goes through
+`ray.data.read_parquet`; JSONL(.gz) files are read one file per Ray task with the local reader
+(`readers.iter_jsonl`), so a line that is not a JSON object, or has no usable id, becomes the same
+`Reject` (file, line, start of the line, reason). Each reader task writes its file's rejects, in line
+order, to a temp file in the output folder; after the run the driver joins them (and the Parquet rows
+with a null id, found from the id column) in input-file order into `_rejects.jsonl`, exactly what the
+local executor writes, and counts them in the summary (so they count as errors for the exit code).
+Good JSONL rows travel to the engine actors pickled (the parsed dict, only the columns the job reads),
+so JSON values of any type reach the prompt template exactly as they do locally.
+
 The output folder must be one that every node can write (a shared file system), and the driver must
-be able to read the inputs (it checks the ids before the run). Input lines that are not JSON objects
-fail the read (locally they are rejected into `_rejects.jsonl`); rows without an id are skipped.
+be able to read the inputs (it checks the ids before the run).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import pickle
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
@@ -38,6 +47,9 @@ from batchinfer.job import JobError, JobSpec
 log = logging.getLogger(__name__)
 
 PATH_COLUMN = "path"  # Ray Data's include_paths column
+# A JSONL row in the dataset: the parsed dict (pickled), its file and 1-based line.
+ROW_COLUMN, FILE_COLUMN, LINE_COLUMN = "__batchinfer_row", "__batchinfer_file", "__batchinfer_line"
+JSONL_COLUMNS = (ROW_COLUMN, FILE_COLUMN, LINE_COLUMN)
 
 
 def import_ray() -> Any:
@@ -76,6 +88,7 @@ class EngineActor:
         self.converter = ResultConverter(self.spec, constraint)
 
     def _pending(self, batch: pa.Table) -> pa.Table:
+        """The Parquet rows of a batch that have an id and are not finished (null ids are rejects: see _write_rejects)."""
         import pyarrow.compute as pc
 
         ids = batch.column(self.spec.input.id_column)
@@ -84,20 +97,40 @@ class EngineActor:
             keep = pc.and_(keep, pc.invert(pc.fill_null(pc.is_in(pc.cast(ids, pa.string()), value_set=self.finished), False)))
         return batch.filter(keep)
 
+    def _rows(self, batch: pa.Table) -> list[Any]:
+        """The pending rows of a batch: its JSONL rows (pickled dicts), then its Parquet rows (columns)."""
+        import pyarrow.compute as pc
+
+        from batchinfer.io.readers import Row
+
+        rows: list[Any] = []
+        if ROW_COLUMN in batch.column_names:  # a JSONL block, or one concatenated with a Parquet block
+            is_jsonl = pc.is_valid(batch.column(ROW_COLUMN))
+            jsonl = batch.filter(is_jsonl)
+            id_col = self.spec.input.id_column
+            for blob, file, line in zip(*(jsonl.column(c).to_pylist() for c in JSONL_COLUMNS)):
+                rows.append(Row(pickle.loads(blob), file, line))
+            if rows and len(self.finished):  # the same anti-join as plan.pending_rows (ids as text)
+                keys = pa.array([str(r.values[id_col]) for r in rows], pa.string())
+                done = pc.is_in(keys, value_set=self.finished).to_pylist()
+                rows = [r for r, d in zip(rows, done) if not d]
+            batch = batch.filter(pc.invert(is_jsonl)).drop_columns(list(JSONL_COLUMNS))
+        if batch.num_rows and self.spec.input.id_column in batch.column_names:
+            batch = self._pending(batch)
+            for i, values in enumerate(batch.to_pylist()):
+                path = values.pop(PATH_COLUMN, "") if PATH_COLUMN not in self.read_columns else ""
+                rows.append(Row(values, path or "input", i + 1))
+        return rows
+
     def _next_number(self) -> int:
         import ray
 
         return ray.get(self.counter.next.remote())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from batchinfer.io.readers import Row
         from batchinfer.run import Progress, execute
 
-        batch = self._pending(batch)
-        rows = []
-        for i, values in enumerate(batch.to_pylist()):
-            path = values.pop(PATH_COLUMN, "") if PATH_COLUMN not in self.read_columns else ""
-            rows.append(Row(values, path or "input", i + 1))
+        rows = self._rows(batch)
         parts: list[tuple[mf.PartInfo, list[str]]] = []
         records: list[Any] = []
         writer = WorkerPartWriter(
@@ -133,19 +166,104 @@ def _counter_actor(ray: Any, start: int) -> Any:
     return PartCounter.remote(start)
 
 
-def _read(ray: Any, files: list[Any], columns: list[str]) -> Any:
-    """One Ray dataset over the job's input files (Parquet: only the columns the job reads)."""
+def file_rejects_path(out: Path, index: int) -> Path:
+    """Where the reader of input file number `index` leaves its rejects (a temp name: removed on the next start)."""
+    return Path(out) / f"{mf.TMP_PREFIX}rejects.{index:06d}.jsonl"
+
+
+def read_jsonl_files(batch: pa.Table, id_column: str, columns: list[str], batch_size: int, out: str) -> Iterator[pa.Table]:
+    """A Ray Data UDF: read the listed JSONL files with the local reader, yield their rows (bounded blocks).
+
+    Each file's rejects go to file_rejects_path(out, index), written under a `.part` name and renamed when the
+    file is done, so the driver only ever joins complete reject lists (a retried task rewrites its file).
+    """
+    from batchinfer.io.readers import InputFile, Reject, iter_jsonl
+    from batchinfer.run import reject_line
+
+    keep = set(columns)
+    for path, index in zip(batch.column("file").to_pylist(), batch.column("index").to_pylist()):
+        final = file_rejects_path(Path(out), index)
+        partial = final.with_name(final.name + ".part")
+        with open(partial, "w", encoding="utf-8") as rf:
+            for items in iter_jsonl(InputFile(path, "jsonl"), id_column, batch_size):
+                blobs, lines = [], []
+                for item in items:
+                    if isinstance(item, Reject):
+                        rf.write(reject_line(item) + "\n")
+                    else:
+                        blobs.append(pickle.dumps({k: v for k, v in item.values.items() if k in keep}))
+                        lines.append(item.line)
+                if blobs:
+                    yield pa.table({
+                        ROW_COLUMN: pa.array(blobs, pa.binary()),
+                        FILE_COLUMN: pa.array([path] * len(blobs), pa.string()),
+                        LINE_COLUMN: pa.array(lines, pa.int64()),
+                    })
+        partial.replace(final)
+
+
+def _read(ray: Any, files: list[Any], columns: list[str], id_column: str, batch_size: int, out: Path) -> Any:
+    """One Ray dataset over the job's input files (Parquet: only the columns the job reads; JSONL: see read_jsonl_files)."""
     parquet = [f.path for f in files if f.format == "parquet"]
-    jsonl = [f.path for f in files if f.format != "parquet"]
+    jsonl = [{"file": f.path, "index": i} for i, f in enumerate(files) if f.format != "parquet"]
     parts = []
     with_paths = PATH_COLUMN not in columns
     if parquet:
         ds = ray.data.read_parquet(parquet, include_paths=with_paths)
         parts.append(ds.select_columns(columns + [PATH_COLUMN] if with_paths else columns))
     if jsonl:
-        parts.append(ray.data.read_json(jsonl, lines=True, include_paths=with_paths))
+        listing = ray.data.from_items(jsonl, override_num_blocks=len(jsonl))
+        parts.append(listing.map_batches(
+            read_jsonl_files, batch_size=1, batch_format="pyarrow",
+            fn_kwargs={"id_column": id_column, "columns": columns, "batch_size": batch_size, "out": str(out)},
+        ))
     ds = parts[0]
     return ds.union(*parts[1:]) if len(parts) > 1 else ds
+
+
+def parquet_rejects(file: Any, id_column: str, batch_size: int, columns: list[str]) -> Iterator[Any]:
+    """The Rejects of one Parquet file (rows with a null id), as the local reader makes them.
+
+    Only the id column is read, unless it has nulls (rare): then the file is read like a local run does.
+    """
+    import pyarrow.parquet as pq
+
+    from batchinfer.io.readers import InputError, Reject, iter_parquet
+
+    try:
+        if pq.ParquetFile(file.path).read(columns=[id_column]).column(id_column).null_count == 0:
+            return
+    except (OSError, KeyError) as e:
+        raise InputError(f"cannot read {file.path}: {e}") from None
+    for items in iter_parquet(file, id_column, batch_size, columns):
+        yield from (r for r in items if isinstance(r, Reject))
+
+
+def _write_rejects(plan: Any, columns: list[str]) -> int:
+    """Join every input file's rejects, in input order, into `_rejects.jsonl` (as a local run writes it); their count."""
+    from batchinfer.run import RunError, reject_line
+
+    out, spec = plan.output_dir, plan.spec
+    tmp = out / f"{mf.TMP_PREFIX}{mf.REJECTS}"
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as rf:
+        for i, f in enumerate(plan.files):
+            if f.format == "parquet":
+                for r in parquet_rejects(f, spec.input.id_column, spec.input.batch_size, columns):
+                    rf.write(reject_line(r) + "\n")
+                    n += 1
+                continue
+            part = file_rejects_path(out, i)
+            if not part.exists():
+                raise RunError(f"the Ray reader of {f.path} left no rejects list ({part.name}); run again to resume")
+            with open(part, encoding="utf-8") as src:
+                for line in src:
+                    rf.write(line)
+                    n += 1
+    tmp.replace(out / mf.REJECTS)
+    for i, f in enumerate(plan.files):
+        file_rejects_path(out, i).unlink(missing_ok=True)
+    return n
 
 
 def num_actors(ray: Any, spec: JobSpec) -> tuple[int, int]:
@@ -165,7 +283,7 @@ def _engine_stage(ray: Any, plan: Any, needed: list[str], columns: dict[str, Any
     finished = pa.array(plan.finished.to_list(), pa.string())
     counter = _counter_actor(ray, mf.next_part_number(out))
     batch_rows = max(1, min(spec.output.rows_per_part, 8 * spec.engine.max_num_seqs))
-    ds = _read(ray, plan.files, needed).map_batches(
+    ds = _read(ray, plan.files, needed, spec.input.id_column, spec.input.batch_size, out).map_batches(
         EngineActor,
         fn_constructor_kwargs={
             "job": spec.model_dump(mode="json"), "folder": str(out), "fingerprint": plan.manifest.fingerprint,
@@ -259,5 +377,6 @@ def run_ray(
         bar.close()
         ray.kill(counter)
     stats.rows, stats.errors = committed, errors
-    s = summarize(plan, 0, stats, time.perf_counter() - started)
+    stats.rejects = _write_rejects(plan, needed)
+    s = summarize(plan, stats.rejects, stats, time.perf_counter() - started)
     return dataclasses.replace(s, load_seconds=started - t0)

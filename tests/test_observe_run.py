@@ -28,6 +28,7 @@ from batchinfer.job import JobError, load_job
 from batchinfer.observe import read_token_ids
 from batchinfer.observe.report import REPORT_HTML, REPORT_JSON
 from batchinfer.run import make_engine
+from failing_engine import FailingEngine
 
 N_ROWS = 36
 runner = CliRunner()
@@ -228,20 +229,6 @@ def test_bad_options_are_refused_before_the_engine(tiny_model, tmp_path, monkeyp
         with pytest.raises(JobError, match="--metrics-port .*cannot listen"):
             batchinfer.run(job, metrics_port=held.getsockname()[1], engine_factory=no_engine)
     assert not list((tmp_path / "out").glob("part-*.parquet"))
-
-
-class FailingEngine:
-    """A real engine that dies after `after` results (a crash mid-run)."""
-
-    def __init__(self, engine, after: int):
-        self.engine, self.after = engine, after
-        self.tokenizer, self.model_info, self.max_model_len = engine.tokenizer, engine.model_info, engine.max_model_len
-
-    def generate(self, requests):
-        for n, r in enumerate(self.engine.generate(requests)):
-            if n == self.after:
-                raise RuntimeError("device lost")
-            yield r
 
 
 def test_crash_then_resume_report_covers_both_runs(tiny_model, tmp_path, monkeypatch):

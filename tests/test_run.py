@@ -16,6 +16,7 @@ from batchinfer.io.manifest import MANIFEST, REJECTS
 from batchinfer.io.readers import InputError
 from batchinfer.job import JobError
 from batchinfer.run import make_engine, run
+from failing_engine import FailingEngine
 
 WORDS = "invoice total date customer alpha beta gamma one two three".split()
 
@@ -108,20 +109,6 @@ def test_prompt_longer_than_the_model_allows(tiny_model, tmp_path, engines):
     df = read_out(tmp_path).sort("doc_id")
     assert df["finish_reason"].to_list()[:2] != ["error", "error"]
     assert df["finish_reason"][2] == "error" and "tokens; the model allows at most 63" in df["error"][2]
-
-
-class FailingEngine:
-    """Wraps an engine; raises after `after` results (a crash mid-run)."""
-
-    def __init__(self, engine, after: int):
-        self.engine, self.after = engine, after
-        self.tokenizer, self.model_info, self.max_model_len = engine.tokenizer, engine.model_info, engine.max_model_len
-
-    def generate(self, requests):
-        for n, r in enumerate(self.engine.generate(requests)):
-            if n == self.after:
-                raise RuntimeError("device lost")
-            yield r
 
 
 def test_crash_then_resume_does_only_missing_rows(tiny_model, tmp_path, engines):

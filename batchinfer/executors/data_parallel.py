@@ -285,11 +285,7 @@ class Coordinator:
         w.alive = False
         self._drain_reports(w)
         w.process.join(timeout=5)
-        for conn in (w.tasks, w.reports):
-            try:
-                conn.close()
-            except OSError:
-                pass
+        _close_pipes(w)
         if w.exited and not w.outstanding:
             return  # a clean end
         self.outcome.worker_deaths += 1
@@ -379,11 +375,7 @@ class Coordinator:
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join(timeout=5)
-            for conn in (w.tasks, w.reports):
-                try:
-                    conn.close()
-                except OSError:
-                    pass
+            _close_pipes(w)
 
 
 class _environ:
@@ -487,3 +479,12 @@ def template_columns(spec: JobSpec, model_dir: Path) -> list[str]:
     from batchinfer.prompts import PromptBuilder
 
     return PromptBuilder(spec.prompt, load_tokenizer(model_dir)).columns
+
+
+def _close_pipes(w: Any) -> None:
+    """Close a worker's task and report pipes (either may already be closed)."""
+    for conn in (w.tasks, w.reports):
+        try:
+            conn.close()
+        except OSError:
+            pass

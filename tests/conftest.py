@@ -47,6 +47,14 @@ def family_model(request, model_factory) -> tuple[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """The small byte-level BPE tokenizer of the demo models (trained once per session)."""
+    from batchinfer.demo import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
 def tiny_model(model_factory) -> Path:
     """One small qwen3 model (tied embeddings, q/k norm)."""
     return model_factory("qwen3")

@@ -10,10 +10,8 @@ from batchinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_stri
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from batchinfer.demo import build_tokenizer
-
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+def tok(tokenizer):
+    return tokenizer  # the session's tiny tokenizer (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

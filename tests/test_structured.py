@@ -35,13 +35,6 @@ VOCAB = 520  # a few padding rows past the 512-token tokenizer: never allowed
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from batchinfer.demo import build_tokenizer
-
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
 def compilers(tokenizer):
     shared: dict = {}
     names = ("auto", "llguidance", "xgrammar", "outlines", "llguidance-relaxed")

@@ -27,13 +27,6 @@ SCHEMAS = ["enum_const", "bounded_numbers", "top_level_array", "optional_fields"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from batchinfer.demo import build_tokenizer
-
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
 def compilers(tokenizer):
     shared: dict = {}
     eos = [tokenizer.eos_token_id, 3]  # two EOS ids, so llguidance rows need mirroring

@@ -21,3 +21,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs must not silently drop to TF32 in tl.dot: greedy float32 runs are compared
     token for token against transformers."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """(num_kv_heads, GQA group size) of a paged-attention call, after checking its shapes and strides."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    return num_kv_heads, num_heads // num_kv_heads

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchinfer.kernels._util import check_last_dim_contiguous, dot_precision, pow2
+from batchinfer.kernels._util import check_attention_inputs, dot_precision, pow2
 
 LOG2E = 1.4426950408889634
 
@@ -147,12 +147,7 @@ def paged_extend_attention(
     block_n: keys per inner iteration (multiple of 16).
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_last_dim_contiguous(name, t)
-    group = num_heads // num_kv_heads
+    num_kv_heads, group = check_attention_inputs(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     batch = seq_lens.shape[0]

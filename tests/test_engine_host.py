@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from batchinfer.engine.cuda_graphs import graph_batch_sizes
-from batchinfer.engine.model_runner import block_table
+from batchinfer.engine.model_runner import _concat_aligned, block_table
 
 
 def test_graph_ladder():
@@ -27,6 +27,40 @@ def test_block_table_matches_a_loop(tables, width):
         expected[b, :n] = blocks[:n]
     got = block_table(tables, width)
     assert got.dtype == np.int32 and np.array_equal(got, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=6), st.sampled_from([np.int64, np.int32]))
+def test_packed_parts_start_16_byte_aligned(lengths, dtype):
+    """Every view into a step's packed host->device buffer starts on a 16-byte boundary, whatever
+    the token count, so Triton never sees a new pointer alignment mid-run (a recompile)."""
+    parts = [np.arange(n, dtype=dtype) + 100 * i for i, n in enumerate(lengths)]
+    buf, starts = _concat_aligned(parts)
+    assert buf.dtype == dtype
+    for p, start in zip(parts, starts):
+        assert (start * buf.itemsize) % 16 == 0
+        assert np.array_equal(buf[start : start + len(p)], p)
+
+
+def test_step_inputs_are_aligned_views(tiny_model):
+    """prepare() of a mixed step with an odd token count: every input tensor is 16-byte aligned."""
+    from batchinfer.engine import Engine, EngineConfig, Request, SamplingParams
+    from batchinfer.engine.sequence import Sequence
+
+    engine = Engine(EngineConfig(model=str(tiny_model), dtype="float32", device="cpu", num_kv_blocks=64))
+    seqs = []
+    for i, n in enumerate((5, 3, 1)):
+        ids = list(range(1, n + 1))
+        s = Sequence(i, Request(f"r{i}", ids, SamplingParams(max_tokens=2)), list(ids), n, 2)
+        s.block_ids = engine.allocator.allocate(1)
+        seqs.append(s)
+    batch = engine.runner.prepare(seqs, [5, 3, 1], [True, True, True])
+    meta = batch.meta
+    views = [batch.input_ids, batch.positions, batch.sample_index, meta.slot_mapping,
+             meta.query_start_loc, meta.seq_lens, meta.block_tables]
+    assert all(t.data_ptr() % 16 == 0 for t in views)
+    assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, 1, 2, 3, 1]
+    assert meta.query_start_loc.tolist() == [0, 5, 8, 9] and meta.seq_lens.tolist() == [5, 3, 1]
 
 
 def test_sampling_batch_matches_make_sampling_batch(tiny_model):

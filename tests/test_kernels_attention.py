@@ -74,14 +74,39 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim, bloc
     close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25), dtype)
 
 
-def test_decode_padding_rows_are_zero():
-    """A CUDA-graph padded batch: sequences with seq_len 0 give zeros, not NaN."""
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_padding_rows_are_zero(num_splits):
+    """A CUDA-graph padded batch: sequences with seq_len 0 give zeros, not NaN (one split writes
+    the output directly, several go through the merge kernel)."""
     k_cache, v_cache, tables, gen = paged_context([9, 0, 5], 2, 16, 4, torch.float32, seed=1)
     q = torch.randn(3, 4, 16, generator=gen)
     lens = torch.tensor([9, 0, 5], dtype=torch.int32)
-    out = K["decode_attention"].paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, num_splits=4, block_n=16)
+    out = K["decode_attention"].paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.25, num_splits=num_splits, block_n=16
+    )
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
+
+
+def test_decode_splits_fill_the_gpu_and_drop_to_one_for_large_batches(monkeypatch):
+    """More slices for small batches (fill every SM), one for large batches with many heads
+    (no merge pass); always a power of two in [1, 16]; 8 on the CPU."""
+    dec = K["decode_attention"]
+    assert dec.decode_splits(4, 8, torch.device("cpu")) == 8
+
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    cuda = torch.device("cuda")
+    rows = dec.ROWS_PER_SM * 132
+    for heads in (16, 32):
+        got = {b: dec.decode_splits(b, heads, cuda) for b in (1, 2, 8, 16, 32, 64, 128, 256, 512)}
+        for b, s in got.items():
+            assert s in (1, 2, 4, 8, 16)
+            assert b * heads * s >= rows or s == 16  # enough rows in flight ...
+            assert s == 1 or b * heads * (s // 2) < rows  # ... and no more slices than that needs
+    assert dec.decode_splits(256, 16, cuda) == 2 and dec.decode_splits(512, 32, cuda) == 1
 
 
 # ---------------------------------------------------------------- extend / prefill

@@ -170,10 +170,21 @@ def test_num_splits_fill_the_gpu_and_keep_slices_long():
 
 
 @interpreted
+def test_bfloat16_logits_draw_as_their_float32_values():
+    """The LM head's bf16 logits go to the kernel uncast: the same tokens as the torch path on
+    their float32 copy (widening is exact), greedy and sampled rows alike."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(5, 1000, generator=gen) * 3).to(torch.bfloat16)
+    seeds, steps = [1, 2, 3, 4, 5], [7, 7, 7, 7, 7]
+    expected = torch_draw(logits.float(), MIXED, seeds, steps)
+    assert kernel_draw(logits, MIXED, seeds, steps, splits=None, block=128).tolist() == expected.tolist()
+
+
+@interpreted
 def test_launcher_checks_inputs():
     b = make_sampling_batch([SamplingParams()] * 2, [0, 1], [0, 0], "cpu")
-    with pytest.raises(ValueError, match="float32"):
-        K.fused_sample(torch.zeros(2, 8, dtype=torch.float16), b.temperature, b.seeds, b.steps, b.greedy)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        K.fused_sample(torch.zeros(2, 8, dtype=torch.int32), b.temperature, b.seeds, b.steps, b.greedy)
     with pytest.raises(ValueError, match="seeds"):
         K.fused_sample(torch.zeros(2, 8), b.temperature, b.seeds[:1], b.steps, b.greedy)
     with pytest.raises(ValueError, match="greedy"):

@@ -155,7 +155,7 @@ def test_bfloat16_load(tiny_model):
     caches = make_caches(info.num_layers, NUM_BLOCKS, BLOCK_SIZE, info.num_kv_heads, info.head_dim, torch.bfloat16)
     ids, positions, meta = seqs.step([(seqs.add(), [1, 2, 3, 4, 5])])
     logits = model.compute_logits(model(ids, positions, caches, meta))
-    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
 
 
 @pytest.mark.gpu

@@ -23,13 +23,16 @@ from batchinfer.kernels.extend_attention import paged_extend_attention
 class TritonAttentionBackend:
     """AttentionBackend on Triton kernels.
 
-    decode_splits: context slices per (sequence, KV head) in decode (fixed, CUDA-graph safe);
+    decode_splits: context slices per (sequence, KV head) in decode; None: chosen from the batch
+        size (kernels.decode_attention.decode_splits; fixed per batch size, so CUDA-graph safe);
     decode_block_n / extend_block_n: keys per inner iteration; extend_block_rows: query rows
     (tokens x GQA heads) per extend program.
     """
 
-    decode_splits: int = 8
-    decode_block_n: int = 64
+    decode_splits: int | None = None
+    decode_block_n: int | None = None
+    decode_warps: int = 4
+    decode_stages: int | None = None
     extend_block_rows: int = 64
     extend_block_n: int = 64
     name: ClassVar[str] = "triton"
@@ -49,6 +52,7 @@ class TritonAttentionBackend:
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                 num_splits=self.decode_splits, block_n=self.decode_block_n,
+                num_warps=self.decode_warps, num_stages=self.decode_stages,
             )
         # rows past the last sequence (padding) are never written by the kernel: zero them
         out = torch.zeros_like(q) if q.shape[0] > sum(meta.query_lens_cpu) else None

@@ -81,6 +81,23 @@ class StepWindowProfiler:
         print(tables["self_cpu_time_total"])
 
 
+def _jit_snapshot() -> dict | None:
+    try:
+        from batchinfer.kernels.jit_stats import compiled_variants
+
+        return compiled_variants()
+    except ImportError:  # no triton (CPU-only install)
+        return None
+
+
+def _jit_compiled_since(before: dict | None) -> dict | None:
+    if before is None:
+        return None
+    from batchinfer.kernels.jit_stats import compiled_since
+
+    return compiled_since(before)
+
+
 def run_throughput(
     model: str,
     workload: str,
@@ -137,6 +154,7 @@ def run_throughput(
     if profile_dir is not None:
         profiler = StepWindowProfiler(profile_dir, start_step=int(os.environ.get(PROFILE_START_ENV, "60")))
 
+    jit_before = _jit_snapshot()
     if before_measure is not None:
         before_measure()
     t0 = time.perf_counter()
@@ -146,6 +164,7 @@ def run_throughput(
     elapsed = time.perf_counter() - t0
     if profiler is not None:
         profiler.finish()
+    compiled = _jit_compiled_since(jit_before)
 
     ok = [r for r in results if r.finish_reason != "error"]
     prompt_lens = [r.prompt_tokens for r in ok]
@@ -174,6 +193,16 @@ def run_throughput(
         dtype_bytes=dtype_bytes,
         kv_capacity_tokens=kv_capacity,
         ceilings=ceilings,
+    )
+    breakdown = step_breakdown(
+        steps,
+        weight_bytes=all_params * dtype_bytes,
+        kv_bytes_per_token=kv_per_token,
+        block_size=cfg.block_size,
+        flops_per_token=2 * layer_params,
+        lm_head_flops=2 * info.vocab_size * info.hidden_size,
+        copy_bytes_per_s=ceilings.copy_bytes_per_s,
+        matmul_flops_per_s=ceilings.matmul_flops_per_s,
     )
     cpu_ms = [getattr(s, "schedule_ms", None) for s in steps]
     step_ms = [getattr(s, "step_ms", None) for s in steps]
@@ -205,9 +234,72 @@ def run_throughput(
         "cpu_schedule_ms_mean": statistics.fmean(cpu_ms) if cpu_ms else None,
         "step_ms_mean": statistics.fmean(step_ms) if step_ms else None,
         "cpu_share_of_step": (sum(cpu_ms) / sum(step_ms)) if cpu_ms and step_ms and sum(step_ms) > 0 else None,
+        "step_breakdown": breakdown,
+        "kernels_compiled_during_run": compiled,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+STEP_BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 1 << 30))
+
+
+def step_breakdown(
+    steps,
+    *,
+    weight_bytes: int,
+    kv_bytes_per_token: int,
+    block_size: int,
+    flops_per_token: float,
+    lm_head_flops: float,
+    copy_bytes_per_s: float,
+    matmul_flops_per_s: float,
+) -> list[dict]:
+    """Where the measured time went: steps grouped by kind (steps with prefill tokens; decode-only
+    steps by their number of rows), each group's wall time against its own per-step floor.
+
+    A step's floor is the larger of (weights + the KV of every block in use) over the copy bandwidth
+    and its tokens' layer FLOPs (plus the LM head of its decode rows) over the matrix rate; KV in use counts whole blocks, so it slightly
+    overstates the bytes a step must read (the floor is a little generous, never too strict).
+    """
+    groups: dict[str, dict] = {}
+    for s in steps:
+        rows = s.num_decode_tokens
+        if not rows and not s.num_prefill_tokens:
+            continue  # a step that only drained the previous one's results
+        if s.num_prefill_tokens:
+            key = "prefill/mixed"
+        else:
+            lo, hi = next(b for b in STEP_BUCKETS if b[0] <= rows <= b[1])
+            key = f"decode {lo}-{hi} rows" if hi < (1 << 30) else f"decode {lo}+ rows"
+        g = groups.setdefault(key, {"steps": 0, "ms": 0.0, "max_ms": 0.0, "floor_ms": 0.0, "tokens": 0, "kv_tokens": 0,
+                                    "idle_ms": 0.0, "phases": {}})
+        kv_tokens = s.kv_blocks_used * block_size
+        tokens = s.num_prefill_tokens + s.num_decode_tokens
+        mem = (weight_bytes + kv_tokens * kv_bytes_per_token) / copy_bytes_per_s
+        comp = (tokens * flops_per_token + rows * lm_head_flops) / matmul_flops_per_s
+        g["steps"] += 1
+        g["ms"] += s.step_ms
+        g["max_ms"] = max(g["max_ms"], s.step_ms)
+        g["idle_ms"] += s.schedule_ms
+        for name, ms in getattr(s, "phases_ms", {}).items():
+            g["phases"][name] = g["phases"].get(name, 0.0) + ms
+        g["floor_ms"] += 1e3 * max(mem, comp)
+        g["tokens"] += tokens
+        g["kv_tokens"] += kv_tokens
+    total = sum(g["ms"] for g in groups.values()) or 1.0
+    out = []
+    for key, g in sorted(groups.items()):
+        n = g["steps"]
+        out.append({
+            "group": key, "steps": n, "time_s": g["ms"] / 1e3, "share": g["ms"] / total,
+            "mean_step_ms": g["ms"] / n, "max_step_ms": g["max_ms"], "mean_floor_ms": g["floor_ms"] / n,
+            "fraction_of_floor": g["floor_ms"] / g["ms"] if g["ms"] else None,
+            "mean_tokens": g["tokens"] / n, "mean_kv_tokens": g["kv_tokens"] / n,
+            "mean_device_idle_ms": g["idle_ms"] / n,
+            "mean_host_phases_ms": {k: v / n for k, v in g["phases"].items()},
+        })
+    return out
 
 
 def format_report(r: dict) -> str:
@@ -227,6 +319,20 @@ def format_report(r: dict) -> str:
             f"steps {r['steps']} (decode-only {r['decode_steps']}), mean step {r['step_ms_mean']:.2f} ms, "
             f"CPU scheduling {r['cpu_schedule_ms_mean']:.3f} ms = {100 * r['cpu_share_of_step']:.1f}% of step time"
         )
+    if r.get("kernels_compiled_during_run"):
+        lines.append("Triton kernels compiled during the measured run (each costs ~1 s): "
+                     + ", ".join(f"{k} x{n}" for k, n in r["kernels_compiled_during_run"].items()))
+    for g in r.get("step_breakdown") or []:
+        lines.append(
+            f"  {g['group']:>20}: {g['steps']:5d} steps, {g['time_s']:6.2f} s ({100 * g['share']:4.1f}%), "
+            f"step {g['mean_step_ms']:7.2f} ms (max {g['max_step_ms']:7.2f}) vs floor {g['mean_floor_ms']:7.2f} ms "
+            f"({100 * (g['fraction_of_floor'] or 0):4.1f}%), {g['mean_tokens']:6.0f} tokens, {g['mean_kv_tokens']:8.0f} KV tokens"
+        )
+    groups = r.get("step_breakdown") or []
+    if groups:
+        big = max(groups, key=lambda g: g["share"])
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in big.get("mean_host_phases_ms", {}).items())
+        lines.append(f"  host ms per step in '{big['group']}' (device idle {big.get('mean_device_idle_ms', 0):.2f}): {phases}")
     if r.get("data_parallel", 1) > 1:
         lines.append(
             f"data parallel: {r['data_parallel']} engines, aggregate {r['output_tokens_per_s']:,.0f} output tok/s; "

@@ -37,7 +37,7 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
 class DecodeGraphs:
     """One captured decode step per ladder size; `run(input_ids, positions, meta)` -> logits [n, V].
 
-    body(input_ids, positions, meta) must run the model and return float32 logits of every row.
+    body(input_ids, positions, meta) must run the model and return the logits of every row.
     """
 
     def __init__(

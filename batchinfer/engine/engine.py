@@ -62,6 +62,9 @@ from batchinfer.models.loader import load_tokenizer
 from batchinfer.structured.base import Constraint, GrammarError
 
 
+MASK_BUFFERS = 3  # grammar bitmask buffers reused round-robin (Engine._mask_buffer)
+
+
 @dataclass(frozen=True)
 class _PendingFill:
     """Masks of a step's sampling rows being filled while the step before is post-processed."""
@@ -115,6 +118,10 @@ class Engine:
         self._last_end: Any = None  # timing event ending the last launched step (CUDA only)
         self._wait_s = 0.0  # host time blocked on the device in the current iteration
         self._idle_ms: float | None = None  # device idle gaps of the step read in this iteration
+        self._masks: list[torch.Tensor] | None = None  # see _mask_buffer
+        self._num_masks = 0
+        self._phases: dict[str, float] = {}  # host ms by phase of the current iteration
+        self._phase_t = 0.0
 
     # --- public API -------------------------------------------------------------------------
 
@@ -215,7 +222,9 @@ class Engine:
         module docstring). Returns the requests that finished."""
         t0 = time.perf_counter()
         self._wait_s, self._idle_ms = 0.0, None
+        self._phases, self._phase_t = {}, t0
         step = self.scheduler.schedule()
+        self._phase("schedule")
         for seq in step.seqs:
             if seq.scheduled is None:
                 seq.scheduled = t0
@@ -224,20 +233,25 @@ class Engine:
             start = self.runner.mark()
             pending = self._inflight.tokens.tensor if self._inflight is not None else None
             batch = self.runner.prepare(step.seqs, step.num_tokens, step.samples, pending)
+            self._phase("prepare")
             logits = self._device_call(self.runner.forward, batch)
             marks = (self._last_end, start, self.runner.mark())
+            self._phase("launch")
         sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
         results, fill = self._read_inflight(sampling if step.seqs else None) if self._inflight is not None else ([], None)
         if step.seqs:
             self.scheduler.complete_step(step)
             live = [s.status is SequenceStatus.RUNNING for s in sampling]
             bans = [self._bans(s) if ok else [] for s, ok in zip(sampling, live)]
+            self._phase("post")
             bitmask = self._bitmask(sampling, live, fill)
+            self._phase("grammar_mask")
             sample_start = self.runner.mark()
             if sampling:
                 tokens = self._device_call(self.runner.sample_tokens, logits, sampling, bans, bitmask)
             else:
                 tokens = torch.empty(0, dtype=torch.int64, device=self.runner.device)
+            self._phase("sample_launch")
             self._inflight = _InFlight(step, sampling, SampledTokens(tokens), (*marks, sample_start))
             self._last_end = self._inflight.tokens.event
             for row, (seq, ok) in enumerate(zip(sampling, live)):
@@ -249,6 +263,12 @@ class Engine:
                 results += self._read_inflight(None)[0]
         self._report(step, t0, len(results))
         return results
+
+    def _phase(self, name: str) -> None:
+        """Charge the host time since the last mark to phase `name` of this iteration (StepStats.phases_ms)."""
+        now = time.perf_counter()
+        self._phases[name] = self._phases.get(name, 0.0) + (now - self._phase_t) * 1000.0
+        self._phase_t = now
 
     def _device_call(self, fn, *args):
         """Call a device-launching function; on the CPU its (synchronous) run counts as waiting."""
@@ -271,8 +291,10 @@ class Engine:
         """
         flight, self._inflight = self._inflight, None
         t = time.perf_counter()
+        self._phase("post")  # (the work of this iteration before the read: bookkeeping)
         tokens = flight.tokens.tolist()
         self._wait_s += time.perf_counter() - t
+        self._phase("read_tokens")
         self._idle_ms = self._idle_gaps_ms(flight)
         now = time.perf_counter()
         # rows of sequences that had finished before this step launched are wasted: never read
@@ -280,6 +302,7 @@ class Engine:
                 if seq.pending_row == row and not seq.is_finished]
         verdicts = self._accept_tokens(rows)
         fill = self._start_fill(next_sampling, rows, verdicts) if next_sampling else None
+        self._phase("grammar_accept")
         results = []
         for (seq, token), verdict in zip(rows, verdicts):
             seq.token_ids.pop()  # the placeholder
@@ -318,9 +341,7 @@ class Engine:
                 if s.matcher is not None and s.status is SequenceStatus.RUNNING and id(s) not in ended]
         if not rows:
             return None
-        from batchinfer.structured.bitmask import allocate_token_bitmask
-
-        mask = allocate_token_bitmask(len(sampling), self.runner.vocab_size, pin_memory=self.runner.device.type == "cuda")
+        mask = self._mask_buffer(len(sampling))
         pending = self._compiler.start_fill([sampling[r].matcher for r in rows], mask, rows)
         return _PendingFill(pending, rows)
 
@@ -341,6 +362,25 @@ class Engine:
         ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         return sorted(i for i in ids if 0 <= i < self.runner.vocab_size)
 
+    def _mask_buffer(self, rows: int) -> torch.Tensor:
+        """An all-allowed int32 bitmask [rows, ceil(V/32)] from a ring of MASK_BUFFERS preallocated
+        ones (pinned on a GPU, so the copy to the device does not wait for earlier queued work).
+
+        At most one is taken per step, for that step's sampling; the buffer taken at step N comes
+        back at step N+3, after the host has read step N+2's tokens, so step N's copy of it to the
+        device has finished. Allocating pinned memory every step instead cost time on the host."""
+        if self._masks is None:
+            from batchinfer.structured.bitmask import allocate_token_bitmask
+
+            pin = self.runner.device.type == "cuda"
+            self._masks = [
+                allocate_token_bitmask(self.config.max_num_seqs, self.runner.vocab_size, pin_memory=pin)
+                for _ in range(MASK_BUFFERS)
+            ]
+        buf = self._masks[self._num_masks % MASK_BUFFERS][:rows]
+        self._num_masks += 1
+        return buf.fill_(-1)
+
     def _bitmask(self, sampling: list[Sequence], live: list[bool], fill: _PendingFill | None = None):
         """int32 CPU bitmask for the sampling rows, or None when no live row has a grammar
         (rows of finished sequences stay all-allowed: their tokens are never read).
@@ -352,10 +392,7 @@ class Engine:
         if not rows:
             return None
         if mask is None:
-            from batchinfer.structured.bitmask import allocate_token_bitmask
-
-            # pinned on a GPU, so that its copy to the device does not wait for the work queued before it
-            mask = allocate_token_bitmask(len(sampling), self.runner.vocab_size, pin_memory=self.runner.device.type == "cuda")
+            mask = self._mask_buffer(len(sampling))
             missing = rows
         else:
             filled = set(fill.rows)
@@ -456,6 +493,7 @@ class Engine:
             num_finished=num_finished,
             host_ms=host_ms,
             wait_ms=wait_ms,
+            phases_ms=self._phases,
         )
         self.last_step = stats
         if self.on_step is not None:

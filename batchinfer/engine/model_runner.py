@@ -99,6 +99,25 @@ class SampledTokens:
         return self._host.tolist()
 
 
+ALIGN_BYTES = 16
+
+
+def _concat_aligned(parts: Seq[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """Concatenate same-dtype arrays, each starting at a multiple of 16 bytes; returns the buffer and
+    each part's start. Triton specialises kernels on 16-byte pointer alignment, so unaligned views
+    into one packed buffer (their alignment changing with the step's token count) would compile a
+    kernel variant in the middle of a run (measured: ~1 s each, BENCHMARKS.md)."""
+    per = max(1, ALIGN_BYTES // parts[0].dtype.itemsize)
+    starts, pos = [], 0
+    for p in parts:
+        starts.append(pos)
+        pos += -(-len(p) // per) * per
+    out = np.zeros(pos, dtype=parts[0].dtype)
+    for p, s in zip(parts, starts):
+        out[s : s + len(p)] = p
+    return out, starts
+
+
 class ModelRunner:
     """Loads the model, sizes and allocates the paged KV cache, executes steps."""
 
@@ -127,12 +146,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_sampling(self) -> None:
-        """Draw once at every ladder batch size, greedy and sampled, so that any kernel compile or
-        autotuning happens at start-up instead of in the middle of a run."""
+        """Draw once at every ladder batch size, greedy and sampled, and apply a grammar bitmask
+        once, on logits of the LM head's dtype, so that any kernel compile or autotuning happens
+        at start-up instead of in the middle of a run."""
         from batchinfer.engine.cuda_graphs import graph_batch_sizes
+        from batchinfer.structured.bitmask import apply_token_bitmask_
 
         for bs in graph_batch_sizes(self.config.max_num_seqs):
-            logits = torch.randn(bs, self.vocab_size, device=self.device)
+            logits = torch.randn(bs, self.vocab_size, device=self.device, dtype=self.info.dtype)
+            if bs == 1:
+                apply_token_bitmask_(logits, torch.full((1, -(-self.vocab_size // 32)), -1, dtype=torch.int32))
             for temperature in (0.0, 1.0):
                 sb = make_sampling_batch([SamplingParams(temperature=temperature)] * bs, [0] * bs, [0] * bs, self.device)
                 sample(logits, sb)
@@ -258,17 +281,18 @@ class ModelRunner:
         parts = [flat_ids, positions, slots, sample_index]
         if gather is not None:
             parts += [cu[1:][gather[0]] - 1, gather[1]]
-        longs = self._to_device(np.concatenate(parts))
-        num_samples = len(sample_index)
-        ints = self._to_device(np.concatenate([cu.astype(np.int32), seq_lens.astype(np.int32), table.ravel()]))
+        longs_np, lo = _concat_aligned(parts)
+        longs = self._to_device(longs_np)
+        ints_np, io = _concat_aligned([cu.astype(np.int32), seq_lens.astype(np.int32), table.ravel()])
+        ints = self._to_device(ints_np)
         nb = len(lens)
         lens_list = lens_np.tolist()
         seq_lens_list = seq_lens.tolist()
         meta = AttentionMetadata(
-            slot_mapping=longs[2 * total : 3 * total],
-            query_start_loc=ints[: nb + 1],
-            seq_lens=ints[nb + 1 : 2 * nb + 1],
-            block_tables=ints[2 * nb + 1 :].view(nb, width),
+            slot_mapping=longs[lo[2] : lo[2] + total],
+            query_start_loc=ints[io[0] : io[0] + nb + 1],
+            seq_lens=ints[io[1] : io[1] + nb],
+            block_tables=ints[io[2] : io[2] + nb * width].view(nb, width),
             max_query_len=max(lens_list),
             max_seq_len=max(seq_lens_list),
             query_lens_cpu=lens_list,
@@ -276,14 +300,14 @@ class ModelRunner:
             decode_only=all(n == 1 for n in lens_list),
         )
         batch = StepBatch(
-            input_ids=longs[:total],
-            positions=longs[total : 2 * total],
+            input_ids=longs[lo[0] : lo[0] + total],
+            positions=longs[lo[1] : lo[1] + total],
             meta=meta,
-            sample_index=longs[3 * total : 3 * total + num_samples],
+            sample_index=longs[lo[3] : lo[3] + len(sample_index)],
         )
         if gather is not None:
-            g, end = len(gather[0]), 3 * total + num_samples
-            batch.gather_dst, batch.gather_src = longs[end : end + g], longs[end + g : end + 2 * g]
+            g = len(gather[0])
+            batch.gather_dst, batch.gather_src = longs[lo[4] : lo[4] + g], longs[lo[5] : lo[5] + g]
         return batch
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -300,7 +324,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Run the model on a packed step; float32 logits [num_sampling, V] of the rows that sample.
+        """Run the model on a packed step; logits [num_sampling, V] (model dtype) of the rows that sample.
 
         On a GPU this only launches work, so the caller can fill grammar bitmasks meanwhile. A graph
         step returns the graph's output buffer: sample from it before the next forward.

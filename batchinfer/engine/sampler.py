@@ -248,19 +248,20 @@ def _sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, *, fused: bool = True) -> torch.Tensor:
-    """Draw one token per row from float32 logits [B, V]; returns int64 [B] on the logits' device.
+    """Draw one token per row from logits [B, V] (any float dtype; the draw is made in float32 on
+    the exact float32 value of each logit); returns int64 [B] on the logits' device.
 
     Greedy rows (temperature 0) take argmax of the raw logits (ties: lowest id). `fused=False`
     forces the torch path even where the fused kernel applies (both give the same tokens).
     """
     if logits.dim() != 2 or logits.shape[0] != batch.size:
         raise ValueError(f"logits must be [batch={batch.size}, vocab], got {tuple(logits.shape)}")
-    if logits.dtype != torch.float32:
-        logits = logits.float()
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1)  # widening to float32 changes no value, so no order
     if fused and uses_fused_kernel(logits, batch):
         return _sample_fused(logits, batch)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     if batch.all_top_k:
         sampled = _sample_candidates(logits, batch)
     else:

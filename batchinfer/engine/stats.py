@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -23,3 +23,7 @@ class StepStats:
     num_finished: int = 0
     host_ms: float = 0.0  # all host work of the step (step_ms - wait_ms), hidden or not
     wait_ms: float = 0.0  # host time blocked waiting on the device
+    # host time by phase of the loop iteration, in order: schedule, prepare, launch (forward),
+    # read_tokens (blocked on the device), grammar_accept, post (detokenise, stops, finish),
+    # grammar_mask (waiting for / filling the next masks), sample_launch
+    phases_ms: dict[str, float] = field(default_factory=dict)

@@ -22,7 +22,7 @@ from batchinfer.kernels._util import check_attention_inputs, dot_precision, pow2
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt", "num_splits"])  # may change between eager steps: no recompiles
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     s_qb, s_qh,
@@ -30,16 +30,17 @@ def _decode_split_kernel(
     s_bt,
     s_mb, s_mh, s_ms,
     s_lb, s_lh,
-    sm_scale_log2,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    sm_scale_log2, num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -85,12 +86,18 @@ def _decode_split_kernel(
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(
-        mid_o_ptr + b64 * s_mb + heads[:, None] * s_mh + split * s_ms + offs_d[None, :],
-        out, mask=mask_h[:, None] & mask_d[None, :],
-    )
-    tl.store(mid_lse_ptr + b64 * s_lb + heads * s_lh + split, lse, mask=mask_h)
+    if DIRECT:  # one split: this is the final output (mid_o_ptr is the output, s_ms unused)
+        tl.store(
+            mid_o_ptr + b64 * s_mb + heads[:, None] * s_mh + offs_d[None, :],
+            out.to(mid_o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :],
+        )
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(
+            mid_o_ptr + b64 * s_mb + heads[:, None] * s_mh + split * s_ms + offs_d[None, :],
+            out, mask=mask_h[:, None] & mask_d[None, :],
+        )
+        tl.store(mid_lse_ptr + b64 * s_lb + heads * s_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -118,6 +125,28 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
+ROWS_PER_SM = 60  # partial-output rows (sequence x query head x split) in flight per SM
+
+
+def decode_splits(batch: int, num_heads: int, device: torch.device) -> int:
+    """Context slices per (sequence, KV head) for a decode batch: the smallest power of two in
+    [1, 16] with batch x query heads x splits >= ROWS_PER_SM x SMs.
+
+    More slices keep every SM busy when the batch is small; fewer slices mean fewer partial
+    outputs to write and merge (their cost grows with the query heads, hence counting query heads,
+    not programs). Measured on an H200 (scripts/bench_decode_kernels.py, BENCHMARKS.md): within 4%
+    of the best split count for 16 and 32 query heads at batch 1-256. Depends only on the batch
+    size and the model, so a CUDA graph captured at one batch size keeps it; one split (large
+    batches, many heads) skips the merge kernel."""
+    if device.type != "cuda":
+        return 8
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = 1
+    while splits < 16 and batch * num_heads * splits < ROWS_PER_SM * sms:
+        splits *= 2
+    return splits
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -125,14 +154,19 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # int32 [B, max_blocks]
     seq_lens: torch.Tensor,  # int32 [B]; 0 gives a zero output row (padding)
     scale: float,
-    num_splits: int = 8,
-    block_n: int = 64,
+    num_splits: int | None = None,
+    block_n: int | None = None,
     out: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single query token over its whole paged context.
 
-    num_splits: fixed number of context slices per (sequence, KV head); the launch shape does
-    not depend on sequence lengths. block_n: context tokens per inner iteration (multiple of 16).
+    num_splits: number of context slices per (sequence, KV head), fixed for a batch size (the
+    launch shape never depends on sequence lengths); None picks decode_splits(batch, ...). With one
+    split the kernel writes the output itself and the merge kernel is skipped.
+    block_n: context tokens per inner iteration (multiple of 16); None: 128 for GQA groups of 4
+    or more query heads, else 64 (measured best on an H200). num_stages None: 3 for 128, else 2.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, group = check_attention_inputs(q, k_cache, v_cache)
@@ -140,8 +174,22 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if num_splits is None:
+        num_splits = decode_splits(batch, num_heads, q.device)
+    if block_n is None:
+        block_n = 128 if group >= 4 else 64
+    if num_stages is None:
+        num_stages = 3 if block_n >= 128 else 2
+    direct = num_splits == 1
+    if direct:
+        mid_o, mid_lse = out, out  # written directly; mid_lse unused
+        s_mo = (out.stride(0), out.stride(1), 0)
+        s_ml = (0, 0)
+    else:
+        mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        s_mo = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
+        s_ml = (mid_lse.stride(0), mid_lse.stride(1))
     block_d = pow2(head_dim, 16)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
@@ -149,13 +197,14 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
+        *s_mo, *s_ml,
+        scale * LOG2E, num_splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        DIRECT=direct, num_warps=num_warps, num_stages=num_stages,
     )
+    if direct:
+        return out
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

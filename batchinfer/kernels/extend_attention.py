@@ -56,7 +56,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"])  # the block-table width changes every step: no recompiles
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     s_qt, s_qh, s_ot, s_oh,

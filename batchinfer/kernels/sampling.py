@@ -107,13 +107,13 @@ def _pick(a_val, a_idx, b_val, b_idx):
 @triton.jit
 def _perturbed(logits_ptr, offs, V, greedy, temp, k1, k2, LIBDEVICE_LOG: tl.constexpr):
     """One tile of the values whose argmax is the draw (out-of-vocab lanes hold -inf)."""
-    x = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf"))
+    x = tl.load(logits_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     if not greedy:
         x = tl.math.div_rn(x, temp) + _gumbel(k1, k2, offs.to(tl.uint32), LIBDEVICE_LOG)
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLIT_LEN", "NUM_SPLITS"])  # they change with the row count
 def _sample_split_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, greedy_ptr, val_out_ptr, idx_out_ptr,
     s_l, V, SPLIT_LEN, NUM_SPLITS,
@@ -189,7 +189,8 @@ def fused_sample(
     block: int = DEFAULT_BLOCK,
     splits: int | None = None,
 ) -> torch.Tensor:
-    """One token per row of float32 logits [B, V]: argmax(logits) where greedy, else
+    """One token per row of logits [B, V] (float32, or bf16/fp16 read as their exact float32
+    values): argmax(logits) where greedy, else
     argmax(logits / temperature + Gumbel(seed, step, id)). Returns int64 [B] on the logits' device.
 
     temperature float32 [B] (1.0 on greedy rows), seeds / steps int64 [B] holding 32-bit values,
@@ -197,8 +198,8 @@ def fused_sample(
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got {tuple(logits.shape)}")
-    if logits.dtype != torch.float32:
-        raise ValueError(f"logits must be float32, got {logits.dtype}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
     rows, vocab = logits.shape
     for name, t, dtype in (
         ("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),

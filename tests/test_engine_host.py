@@ -86,3 +86,16 @@ def test_sampling_batch_matches_make_sampling_batch(tiny_model):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
         for name in ("all_greedy", "any_greedy", "any_top_k", "any_top_p", "any_min_p", "all_top_k", "max_top_k"):
             assert getattr(got, name) == getattr(want, name), name
+
+
+def test_torch_threads_is_applied_and_validated(tiny_model):
+    from batchinfer.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="torch_threads"):
+        EngineConfig(model=str(tiny_model), torch_threads=0)
+    before = torch.get_num_threads()
+    try:
+        Engine(EngineConfig(model=str(tiny_model), dtype="float32", device="cpu", num_kv_blocks=16, torch_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

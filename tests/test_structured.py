@@ -220,6 +220,29 @@ def test_batch_fill_matches_row_fills(compilers):
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar", "outlines"])
+def test_matchers_of_one_grammar_are_independent(compilers, backend):
+    """Matchers of one compiled grammar share nothing visible (llguidance hands out deep copies of
+    one prototype): advancing and ending one leaves the others at the start, and a later matcher
+    starts from the start too."""
+    comp = compilers[backend]
+    v = comp.vocab
+    g = comp.compile(Constraint.json_schema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}},
+                                             "required": ["a"], "additionalProperties": False}))
+    first, second = g.new_matcher(), g.new_matcher()
+    start = allocate_token_bitmask(1, VOCAB)
+    second.fill_next_token_bitmask(start, 0)
+    for tok in v.encode('{"a":"xy"}'):
+        assert first.accept_token(tok)
+    assert not second.is_terminated()
+    for m in (second, g.new_matcher()):
+        got = allocate_token_bitmask(1, VOCAB)
+        m.fill_next_token_bitmask(got, 0)
+        assert torch.equal(got, start)
+    for tok in v.encode('{"a":"zzz"}'):
+        assert second.accept_token(tok)
+
+
 def test_whitespace_modes(compilers):
     comp = compilers["llguidance"]
     v = comp.vocab

@@ -28,6 +28,10 @@ class EngineConfig:
     seed: seeds the per-request seeds of requests that give none.
     load_format: safetensors (read the checkpoint) | random (random weights of the config's shapes:
         benchmarks of real shapes without a download).
+    torch_threads: torch's CPU (intra-op) threads for this process. None: 1 when the engine drives a
+        GPU (the host only runs small ops there, and more threads fight the grammar libraries' pools
+        for the cores: docs1000-json on an H200 ran at 6,668 output tok/s with torch's default of 16
+        threads, 9,465 with 2, BENCHMARKS.md); unchanged on the CPU, where torch runs the model.
     """
 
     model: str
@@ -47,6 +51,7 @@ class EngineConfig:
     grammar_backend: str = "auto"
     seed: int = 0
     load_format: str = "safetensors"
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -61,5 +66,7 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError("torch_threads must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")

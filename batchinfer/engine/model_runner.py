@@ -124,6 +124,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        threads = config.torch_threads or (1 if self.device.type == "cuda" else None)
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # process-wide: see EngineConfig.torch_threads
         self.block_size = config.block_size
         self.attention = get_attention_backend(config.attention_backend, self.device)
         self.model, self.info = load_model(

@@ -92,11 +92,20 @@ class LLGuidanceCompiled:
         self._tok = tokenizer
         self.grammar = grammar
         self._eos = eos_ids
+        self._proto: Any = None  # the first matcher, never advanced: new_matcher copies it
 
     def new_matcher(self) -> LLGuidanceMatcher:
+        """A matcher at the grammar's start: a deep copy of one prototype per compiled grammar.
+
+        Copies share the prototype's parser and lexer caches, so building one costs ~2 us instead
+        of ~330 us (the grammar is not parsed again), and masks of states another copy has seen are
+        cheaper: measured on this project's docs schema with the Qwen 151k vocabulary, 4.3x less
+        fill time inside maxLength-bounded strings (BENCHMARKS.md, structured output)."""
         import llguidance
 
-        return LLGuidanceMatcher(llguidance.LLMatcher(self._tok, self.grammar, log_level=0), self._eos)
+        if self._proto is None:
+            self._proto = llguidance.LLMatcher(self._tok, self.grammar, log_level=0)
+        return LLGuidanceMatcher(self._proto.deep_copy(), self._eos)
 
 
 class LLGuidanceBackend:

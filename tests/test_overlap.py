@@ -157,7 +157,21 @@ def test_preemption_with_a_tiny_cache(tiny_model, config):
     assert sum(s.num_preemptions for s in stats[1]) == sum(r.num_preemptions for r in overlapped.values())
 
 
-def test_grammar_constraints_same_tokens_and_valid(tiny_model):
+@pytest.mark.parametrize("grammar_first", [True, False])
+def test_grammar_constraints_same_tokens_and_valid(tiny_model, monkeypatch, grammar_first):
+    """Same tokens as the serial loop, in both orders of an overlapped step with grammar rows in
+    flight: masks started before the forward launch (eager steps, the CPU's only kind) or after it
+    (CUDA-graph decode steps on a GPU)."""
+    from batchinfer.engine.engine import Engine
+
+    calls = []
+    real = Engine._grammar_first
+
+    def decide(self, batch):
+        calls.append(real(self, batch))
+        return grammar_first and calls[-1]
+
+    monkeypatch.setattr(Engine, "_grammar_first", decide)
     names = ["enum_const", "bounded_numbers", "optional_fields"]
     constraints = [Constraint.json_schema(json.loads((EXAMPLES / f"{n}.json").read_text())) for n in names]
     constraints += [Constraint.regex(r"[A-Z]{2}-[0-9]{3}"), Constraint.choice(["yes", "no", "maybe"])]
@@ -176,6 +190,7 @@ def test_grammar_constraints_same_tokens_and_valid(tiny_model):
             assert err is None, (rid, res.text, err)
             stops += 1
     assert stops >= 4
+    assert any(calls), "no step had grammar rows in flight before an eager forward"
 
 
 def test_abandoned_generate_frees_everything(tiny_model):

@@ -19,7 +19,10 @@ N+1 while the device runs step N. One loop iteration (`_step`):
   3. read N's tokens (waits on a CUDA event recorded after their copy to pinned host memory: the only
      host sync per step); feed them to the grammars (one batched accept per library) and start
      N+1's grammar masks (on a helper thread where the library's fill holds no GIL); then
-     post-process: swap placeholders for tokens, stop checks, finish sequences (blocks freed now);
+     post-process: swap placeholders for tokens, stop checks, finish sequences (blocks freed now).
+     Exception: when N has grammar rows and N+1 is an eager (not CUDA-graph) forward, whose launch
+     alone takes tens of ms of host time, N's tokens are read, accepted and N+1's masks started
+     BEFORE step 2's launch, so the fill runs during it (`_grammar_first`);
   4. complete N+1's bookkeeping, build its bans, wait for its grammar masks (the matchers had
      accepted N's tokens, so masks are exact; they are built while N+1's forward runs), launch its
      sampling and the copy of its tokens; N+1 is now the step in flight.
@@ -71,6 +74,16 @@ class _PendingFill:
 
     pending: Any  # structured.compiler.PendingFill
     rows: list[int]  # the sampling rows it fills
+
+
+@dataclass(frozen=True)
+class _Read:
+    """The in-flight step's tokens, read and fed to the grammars, not yet applied to the sequences."""
+
+    now: float
+    rows: list[tuple[Sequence, int]]  # (sequence, token) of every row whose token is used
+    verdicts: list[str | None]  # the grammar's verdict per row (Engine._accept_tokens)
+    fill: _PendingFill | None  # masks of the next step's rows, started
 
 
 @dataclass
@@ -229,16 +242,21 @@ class Engine:
             if seq.scheduled is None:
                 seq.scheduled = t0
         logits = marks = None
+        sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
+        read: _Read | None = None
         if step.seqs:
             start = self.runner.mark()
             pending = self._inflight.tokens.tensor if self._inflight is not None else None
             batch = self.runner.prepare(step.seqs, step.num_tokens, step.samples, pending)
             self._phase("prepare")
+            if self._grammar_first(batch):
+                read = self._read_and_accept(sampling)
             logits = self._device_call(self.runner.forward, batch)
             marks = (self._last_end, start, self.runner.mark())
             self._phase("launch")
-        sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
-        results, fill = self._read_inflight(sampling if step.seqs else None) if self._inflight is not None else ([], None)
+        if read is None and self._inflight is not None:
+            read = self._read_and_accept(sampling if step.seqs else None)
+        results, fill = self._finish_read(read) if read is not None else ([], None)
         if step.seqs:
             self.scheduler.complete_step(step)
             live = [s.status is SequenceStatus.RUNNING for s in sampling]
@@ -280,15 +298,32 @@ class Engine:
         finally:
             self._wait_s += time.perf_counter() - t
 
-    def _read_inflight(self, next_sampling: list[Sequence] | None) -> tuple[list[Result], _PendingFill | None]:
-        """Wait for the in-flight step's tokens, append them, finish the sequences they end.
+    def _grammar_first(self, batch) -> bool:
+        """Whether to read the in-flight step and start the next masks BEFORE launching this forward.
 
-        Grammar work first, so that the next step's masks start as early as possible: all matchers
-        accept their tokens in one batched call, then (next_sampling given: the sampling rows of the
-        step just launched) the masks of those rows start filling (on a helper thread where the
-        library allows it) while the rest of the post-processing (detokenising, stop strings,
-        finishing) runs. Returns the finished requests and that fill (None if nothing to fill).
-        """
+        Normally the forward goes first (the device gets work at once, the grammar work hides under
+        it). An eager forward (a mixed or prefill step: no CUDA graph) costs ~25-30 ms of host time
+        just to launch on an H200 (qwen3-0.6b, 8k tokens); with grammar rows in flight the mask fill
+        then had to follow that launch and the host, not the device, set the step time (BENCHMARKS.md,
+        docs1000-json). Started first, the fill runs on the library's threads during the launch."""
+        flight = self._inflight
+        return (
+            flight is not None
+            and self._compiler is not None
+            and any(s.matcher is not None for s in flight.sampling)
+            and not self.runner.uses_graph(batch)
+        )
+
+    def _read_inflight(self, next_sampling: list[Sequence] | None) -> tuple[list[Result], _PendingFill | None]:
+        """Wait for the in-flight step's tokens, append them, finish the sequences they end
+        (_read_and_accept, then _finish_read). Returns the finished requests and the started fill."""
+        return self._finish_read(self._read_and_accept(next_sampling))
+
+    def _read_and_accept(self, next_sampling: list[Sequence] | None) -> "_Read":
+        """First half of reading the in-flight step: wait for its tokens, feed them to the grammars
+        (one batched accept per library), and (next_sampling given: the sampling rows of the step
+        being launched) start those rows' masks (on a helper thread where the library allows it), so
+        that they fill while the rest runs. Sequences are not touched yet (see _finish_read)."""
         flight, self._inflight = self._inflight, None
         t = time.perf_counter()
         self._phase("post")  # (the work of this iteration before the read: bookkeeping)
@@ -303,6 +338,11 @@ class Engine:
         verdicts = self._accept_tokens(rows)
         fill = self._start_fill(next_sampling, rows, verdicts) if next_sampling else None
         self._phase("grammar_accept")
+        return _Read(now, rows, verdicts, fill)
+
+    def _finish_read(self, read: "_Read") -> tuple[list[Result], _PendingFill | None]:
+        """Second half: swap each placeholder for its token, check stops, finish sequences."""
+        now, rows, verdicts, fill = read.now, read.rows, read.verdicts, read.fill
         results = []
         for (seq, token), verdict in zip(rows, verdicts):
             seq.token_ids.pop()  # the placeholder

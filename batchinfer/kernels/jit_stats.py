@@ -14,7 +14,8 @@ import pkgutil
 
 
 def compiled_variants() -> dict[str, int]:
-    """kernel name -> number of compiled variants, over every jitted function in batchinfer.kernels."""
+    """kernel name -> number of compiled variants, over every jitted function in batchinfer.kernels
+    (0 each under TRITON_INTERPRET=1, where nothing is compiled)."""
     import triton
 
     import batchinfer.kernels as pkg
@@ -28,7 +29,7 @@ def compiled_variants() -> dict[str, int]:
         except ImportError:
             continue
         for name, obj in vars(module).items():
-            if not isinstance(obj, triton.runtime.jit.JITFunction):
+            if not isinstance(obj, triton.runtime.jit.KernelInterface):
                 continue
             caches = getattr(obj, "device_caches", None) or {}
             n = 0

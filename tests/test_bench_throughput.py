@@ -1,0 +1,60 @@
+"""`bench throughput` on the CPU: the per-step breakdown, the compile check, a whole small run."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchinfer.bench.throughput import format_report, run_throughput, step_breakdown
+from batchinfer.engine.stats import StepStats
+
+
+def stats(step, prefill, decode, blocks, ms, idle=0.0, phases=None) -> StepStats:
+    return StepStats(step=step, time=0.0, num_running=decode, num_waiting=0, num_prefill_tokens=prefill,
+                     num_decode_tokens=decode, kv_blocks_used=blocks, kv_blocks_free=0, num_preemptions=0,
+                     schedule_ms=idle, step_ms=ms, phases_ms=phases or {})
+
+
+def test_step_breakdown_groups_and_floors():
+    steps = [
+        stats(1, 100, 0, 10, 8.0, phases={"launch": 2.0}),
+        stats(2, 0, 200, 50, 4.0, idle=1.0, phases={"launch": 1.0, "read_tokens": 2.0}),
+        stats(3, 0, 250, 60, 6.0, idle=0.0, phases={"launch": 3.0}),
+        stats(4, 0, 10, 5, 1.0),
+        stats(5, 0, 0, 0, 0.1),  # only drained the previous step: skipped
+    ]
+    kw = dict(weight_bytes=1000, kv_bytes_per_token=10, block_size=4, flops_per_token=100.0, lm_head_flops=50.0,
+              copy_bytes_per_s=1e6, matmul_flops_per_s=1e7)
+    groups = {g["group"]: g for g in step_breakdown(steps, **kw)}
+    assert set(groups) == {"prefill/mixed", "decode 193+ rows", "decode 1-16 rows"}
+    big = groups["decode 193+ rows"]
+    assert big["steps"] == 2 and big["time_s"] == pytest.approx(0.010) and big["max_step_ms"] == 6.0
+    # step 2: memory (1000 + 50*4*10) / 1e6 s = 3 ms, compute (200*100 + 200*50) / 1e7 s = 3 ms
+    # step 3: memory (1000 + 60*4*10) / 1e6 = 3.4 ms, compute 250*150/1e7 = 3.75 ms
+    assert big["mean_floor_ms"] == pytest.approx((3.0 + 3.75) / 2)
+    assert big["fraction_of_floor"] == pytest.approx(6.75 / 10.0)
+    assert big["mean_device_idle_ms"] == pytest.approx(0.5)
+    assert big["mean_host_phases_ms"] == pytest.approx({"launch": 2.0, "read_tokens": 1.0})
+    # prefill: compute 100*100/1e7 = 1 ms < memory (1000 + 40*10)/1e6 = 1.4 ms
+    assert groups["prefill/mixed"]["mean_floor_ms"] == pytest.approx(1.4)
+    assert sum(g["share"] for g in groups.values()) == pytest.approx(1.0)
+
+
+def test_compiled_variants_counts_every_kernel_and_reports_only_growth():
+    pytest.importorskip("triton")
+    from batchinfer.kernels.jit_stats import compiled_since, compiled_variants
+
+    counts = compiled_variants()
+    assert "decode_attention._decode_split_kernel" in counts and "extend_attention._extend_kernel" in counts
+    assert all(isinstance(n, int) and n >= 0 for n in counts.values())
+    assert compiled_since(counts) == {}
+    assert compiled_since({k: n - 1 for k, n in counts.items() if n > 0}) == {k: 1 for k, n in counts.items() if n > 0}
+
+
+def test_run_on_a_model_folder(tiny_model, tmp_path):
+    r = run_throughput(str(tiny_model), "nano256", scale=0.02, cache_dir=tmp_path)
+    assert r["errors"] == 0 and r["requests"] == 5
+    assert r["output_tokens"] > 0 and 0 < r["fraction_of_roofline"]
+    assert sum(g["steps"] for g in r["step_breakdown"]) <= r["steps"]
+    assert {g["group"] for g in r["step_breakdown"]} >= {"prefill/mixed"}
+    text = format_report(r)
+    assert "% of the roofline" in text and "host ms per step in" in text

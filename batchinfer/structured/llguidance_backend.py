@@ -226,11 +226,14 @@ class LLGuidanceBackend:
                 if raw.is_accepting():
                     m._ended = ok[k] = True
                 continue
-            batch.append((raw, t))
+            batch.append((m.group, raw, t))
             where.append(k)
         if batch:
-            for k, good in zip(where, self._pool().consume_token_par(batch)):
-                ok[k] = bool(good)
+            # grouped by prototype, as in fill_rows: each thread mostly takes its own group's lock
+            order = sorted(range(len(batch)), key=lambda j: batch[j][0])
+            done = self._pool().consume_token_par([batch[j][1:] for j in order])
+            for j, good in zip(order, done):
+                ok[where[j]] = bool(good)
         return ok
 
 

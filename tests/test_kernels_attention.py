@@ -150,6 +150,21 @@ def test_extend_random_batches(data, shape, block_rows, block_n):
     close(out, reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.2), torch.float32)
 
 
+def test_extend_from_first_seq_leaves_earlier_rows_alone():
+    """first_seq=2: the rows of sequences 0 and 1 keep what was in `out`; the rest match the reference."""
+    seq_lens, query_lens = [9, 30, 21, 16], [1, 1, 6, 16]
+    k_cache, v_cache, tables, gen = paged_context(seq_lens, 2, 16, 4, torch.float32, seed=7)
+    q = torch.randn(sum(query_lens), 4, 16, generator=gen)
+    qsl = torch.tensor([0, 1, 2, 8, 24], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = torch.full_like(q, 7.0)
+    K["extend_attention"].paged_extend_attention(
+        q, k_cache, v_cache, tables, lens, qsl, 16, 0.3, block_rows=16, block_n=16, out=out, first_seq=2
+    )
+    assert torch.equal(out[:2], torch.full_like(out[:2], 7.0))
+    close(out[2:], reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.3)[2:], torch.float32)
+
+
 def test_reference_matches_naive_causal_attention():
     """The reference itself: a full prefill equals plain causal softmax attention."""
     k_cache, v_cache, tables, gen = paged_context([11], 1, 8, 4, torch.float32, seed=2)
@@ -199,6 +214,34 @@ def test_triton_backend_matches_torch_backend_over_steps():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"step {step_index}")
     assert meta.decode_only  # the last step went through the decode kernel
     torch.testing.assert_close(torch.nan_to_num(kc_t, 9.0), torch.nan_to_num(kc_r, 9.0))
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 5, 12], [1, 7], [4, 1, 1], [1, 1]])
+def test_triton_backend_mixed_step_splits_decode_rows(query_lens):
+    """A mixed step: its leading one-token sequences go to the decode kernel, the rest to the
+    extend kernel (a one-token sequence after a prefill stays with the extend kernel); together
+    they equal the reference over the whole batch."""
+    from batchinfer.attention.base import AttentionMetadata
+
+    seq_lens = [q + 11 * (i + 1) for i, q in enumerate(query_lens)]
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    k_cache, v_cache, tables, gen = paged_context(seq_lens, num_kv_heads, head_dim, block_size, torch.float32, seed=5)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64),  # the cache is already filled
+        query_start_loc=qsl, seq_lens=lens, block_tables=tables, max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
+        decode_only=all(n == 1 for n in query_lens),
+    )
+    leading = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    assert meta.num_leading_single == leading
+    backend = TritonAttentionBackend(decode_splits=4, decode_block_n=16, extend_block_rows=16, extend_block_n=16)
+    kv = torch.zeros(tokens, num_kv_heads, head_dim)
+    got = backend.forward(q, kv, kv, k_cache, v_cache, meta, 0.25)
+    close(got, reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.25), torch.float32)
 
 
 def test_triton_backend_zeroes_padding_tokens():

@@ -14,6 +14,7 @@ t's K and V are written (-1: do not write, e.g. padding in a CUDA graph).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -34,6 +35,17 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @cached_property
+    def num_leading_single(self) -> int:
+        """How many sequences at the start of the batch have a one-token query. The scheduler puts a
+        step's decodes first, so in a mixed step these are its decode rows (query rows 0..n-1)."""
+        n = 0
+        for length in self.query_lens_cpu:
+            if length != 1:
+                break
+            n += 1
+        return n
 
 
 class AttentionBackend(Protocol):

@@ -1,9 +1,9 @@
 """The Triton attention backend: KV write, then paged decode or extend attention (batchinfer.kernels).
 
 A decode-only step (every query length 1, the CUDA-graph case) runs the split-K decode kernel,
-whose launch shape depends only on the batch size and which never syncs with the host. Any
-other step runs the extend kernel over the whole batch: it handles prefill chunks, prefix-shared
-prefills and decode tokens mixed in one launch.
+whose launch shape depends only on the batch size and which never syncs with the host. A mixed
+step runs the decode kernel on its leading one-token sequences (the scheduler puts decodes first)
+and the extend kernel on the rest: prefill chunks and prefix-shared prefills.
 """
 
 from __future__ import annotations
@@ -54,10 +54,20 @@ class TritonAttentionBackend:
                 num_splits=self.decode_splits, block_n=self.decode_block_n,
                 num_warps=self.decode_warps, num_stages=self.decode_stages,
             )
-        # rows past the last sequence (padding) are never written by the kernel: zero them
-        out = torch.zeros_like(q) if q.shape[0] > sum(meta.query_lens_cpu) else None
+        # rows past the last sequence (padding) are never written by the kernels: zero them
+        out = torch.zeros_like(q) if q.shape[0] > sum(meta.query_lens_cpu) else torch.empty_like(q)
+        # A mixed step's decode rows (first in the batch) go to the split-K decode kernel; the extend
+        # kernel's grid (query tiles x sequences x KV heads) then spans only the prefill chunks
+        # instead of hundreds of one-token sequences whose programs are mostly empty.
+        n_dec = meta.num_leading_single
+        if n_dec:
+            paged_decode_attention(
+                q[:n_dec], k_cache, v_cache, meta.block_tables[:n_dec], meta.seq_lens[:n_dec], scale,
+                num_splits=self.decode_splits, block_n=self.decode_block_n, out=out[:n_dec],
+                num_warps=self.decode_warps, num_stages=self.decode_stages,
+            )
         return paged_extend_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, scale, block_rows=self.extend_block_rows, block_n=self.extend_block_n,
-            out=out,
+            out=out, first_seq=n_dec,
         )

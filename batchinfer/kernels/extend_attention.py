@@ -56,19 +56,20 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["s_bt"])  # the block-table width changes every step: no recompiles
+# the block-table width and the first sequence change every step: not specialised on, no recompiles
+@triton.jit(do_not_specialize=["s_bt", "first_seq"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     s_qt, s_qh, s_ot, s_oh,
     s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
     s_bt,
-    sm_scale_log2,
+    sm_scale_log2, first_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    b = tl.program_id(1)
+    b = tl.program_id(1) + first_seq
     kv_head = tl.program_id(2)
 
     q_start = tl.load(qsl_ptr + b)
@@ -140,18 +141,21 @@ def paged_extend_attention(
     block_rows: int = 64,
     block_n: int = 64,
     out: torch.Tensor | None = None,
+    first_seq: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     block_rows: query rows (tokens x heads of a GQA group) per program, >= 16 and a power of two;
-    block_n: keys per inner iteration (multiple of 16).
+    block_n: keys per inner iteration (multiple of 16). first_seq: attend only for sequences
+    first_seq.. (the rows of earlier ones in `out` are left as they are: a mixed step's decode rows,
+    which the decode kernel computes).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, group = check_attention_inputs(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
-    batch = seq_lens.shape[0]
-    if num_tokens == 0 or batch == 0 or max_query_len == 0:
+    batch = seq_lens.shape[0] - first_seq
+    if num_tokens == 0 or batch <= 0 or max_query_len == 0:
         return out
     block_g = pow2(group)
     block_m = max(pow2(block_rows) // block_g, 1)
@@ -164,7 +168,7 @@ def paged_extend_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        scale * LOG2E,
+        scale * LOG2E, first_seq,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=pow2(head_dim, 16),
         DOT_PREC=dot_precision(q.dtype),

@@ -6,6 +6,7 @@ Skipped without CUDA (conftest marks `gpu` tests). Small random demo models keep
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -117,3 +118,21 @@ def test_overlap_on_and_off_give_the_same_tokens(tiny_model, graphs):
     assert same >= 45, f"only {same}/47 requests identical"
     for steps in stats:  # schedule_ms on a GPU: measured idle gaps of the device (timing events)
         assert all(0 <= s.schedule_ms and 0 <= s.wait_ms <= s.step_ms for s in steps)
+
+
+def test_no_kernel_compiles_after_the_first_run(tiny_model):
+    """Once one small run has gone through (start-up captured the decode graphs and warmed the
+    sampler), a second run with other prompt lengths, batch mixes and sampling compiles no Triton
+    kernel: step inputs are 16-byte aligned and per-step integers are not specialised on, so the
+    shapes of a step never show up in a kernel's signature (a compile costs ~1 s mid-run)."""
+    from batchinfer.kernels.jit_stats import compiled_since, compiled_variants
+
+    engine = _engine(tiny_model, "bfloat16")
+    vocab = engine.model_info.vocab_size
+    list(engine.generate(_requests(6, vocab, seed=1)))
+    before = compiled_variants()
+    sampled = [replace(r, request_id=f"t{r.request_id}") for r in _requests(5, vocab, seed=3, temperature=1.0)]
+    reqs = _requests(37, vocab, max_tokens=30, seed=2) + sampled
+    results = list(engine.generate(reqs))
+    assert len(results) == len(reqs) and all(r.finish_reason == "length" for r in results)
+    assert compiled_since(before) == {}

@@ -132,7 +132,7 @@ def test_no_kernel_compiles_after_the_first_run(tiny_model):
     list(engine.generate(_requests(6, vocab, seed=1)))
     before = compiled_variants()
     sampled = [replace(r, request_id=f"t{r.request_id}") for r in _requests(5, vocab, seed=3, temperature=1.0)]
-    reqs = _requests(37, vocab, max_tokens=30, seed=2) + sampled
+    reqs = _requests(37, vocab, max_tokens=30, seed=2, temperature=0.0) + sampled
     results = list(engine.generate(reqs))
     assert len(results) == len(reqs) and all(r.finish_reason == "length" for r in results)
     assert compiled_since(before) == {}

@@ -58,3 +58,25 @@ def test_run_on_a_model_folder(tiny_model, tmp_path):
     assert {g["group"] for g in r["step_breakdown"]} >= {"prefill/mixed"}
     text = format_report(r)
     assert "% of the roofline" in text and "host ms per step in" in text
+
+
+def test_cli_passes_engine_options_and_writes_json(tiny_model, tmp_path):
+    import json
+
+    import torch
+    from typer.testing import CliRunner
+
+    from batchinfer.cli import app
+
+    out = tmp_path / "r.json"
+    before = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(app, ["bench", "throughput", "--workload", "nano256", "--model", str(tiny_model),
+                                       "--scale", "0.02", "--grammar-backend", "xgrammar", "--torch-threads", "1",
+                                       "--out", str(out)])
+    finally:
+        torch.set_num_threads(before)
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["engine"]["grammar_backend"] == "xgrammar" and r["engine"]["torch_threads"] == 1
+    assert "of the roofline" in res.output

@@ -1,6 +1,6 @@
 """`batchinfer bench ...`: a Typer sub-app the main CLI mounts as `bench`.
 
-`grammar` is here; the GPU `throughput` command joins it later.
+`grammar`: grammar backends on MaskBench files; `throughput`: a named workload against its roofline.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def throughput(
     attention_backend: Optional[str] = typer.Option(None, "--attention-backend"),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs"),
     data_parallel: Optional[int] = typer.Option(None, "--data-parallel", help="Engines, one per GPU."),
+    grammar_backend: Optional[str] = typer.Option(None, "--grammar-backend", help="auto | xgrammar | llguidance | outlines (docs1000-json)."),
+    torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="torch's CPU threads (default: 1 on a GPU)."),
+    profile_dir: Optional[Path] = typer.Option(None, "--profile-dir", help="Profile a few steps of the measured run into this folder."),
 ) -> None:
     """Run a named workload; print throughput next to the workload's roofline floor on this device."""
     import logging
@@ -66,11 +69,13 @@ def throughput(
             max_num_batched_tokens=max_num_batched_tokens,
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
+            grammar_backend=grammar_backend,
+            torch_threads=torch_threads,
         ).items()
         if v is not None
     }
     try:
-        result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel)
+        result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -72,11 +72,12 @@ def test_cli_passes_engine_options_and_writes_json(tiny_model, tmp_path):
     before = torch.get_num_threads()
     try:
         res = CliRunner().invoke(app, ["bench", "throughput", "--workload", "nano256", "--model", str(tiny_model),
-                                       "--scale", "0.02", "--grammar-backend", "xgrammar", "--torch-threads", "1",
+                                       "--scale", "0.02", "--grammar-backend", "xgrammar", "--torch-threads", "1", "--grammar-threads", "3",
                                        "--out", str(out)])
     finally:
         torch.set_num_threads(before)
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert r["engine"]["grammar_backend"] == "xgrammar" and r["engine"]["torch_threads"] == 1
+    assert r["engine"]["grammar_threads"] == 3
     assert "of the roofline" in res.output

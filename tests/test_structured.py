@@ -243,6 +243,24 @@ def test_matchers_of_one_grammar_are_independent(compilers, backend):
         assert second.accept_token(tok)
 
 
+def test_fill_threads_size_the_pools_and_the_prototypes(tokenizer):
+    """GrammarCompiler(fill_threads=N): llguidance's pool has N threads and each grammar N matcher
+    prototypes, handed out in turn; fills and accepts still match one row at a time."""
+    comp = GrammarCompiler(tokenizer, VOCAB, "llguidance", fill_threads=3)
+    assert comp._backend("llguidance").fill_threads() == 3
+    g = comp.compile(Constraint.regex("[a-c]{1,4}"))
+    assert g.groups == 3
+    ms = [g.new_matcher() for _ in range(7)]
+    assert [m.group for m in ms] == [0, 1, 2, 0, 1, 2, 0]
+    v = comp.vocab
+    assert all(comp.accept_tokens(ms, [v.encode("a")[0]] * 7))
+    many = allocate_token_bitmask(7, VOCAB)
+    comp.fill_next_token_bitmasks(ms, many, list(range(7)))
+    one = allocate_token_bitmask(1, VOCAB)
+    ms[0].fill_next_token_bitmask(one, 0)
+    assert all(torch.equal(many[i], one[0]) for i in range(7))
+
+
 def test_whitespace_modes(compilers):
     comp = compilers["llguidance"]
     v = comp.vocab

@@ -49,6 +49,7 @@ def throughput(
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs"),
     data_parallel: Optional[int] = typer.Option(None, "--data-parallel", help="Engines, one per GPU."),
     grammar_backend: Optional[str] = typer.Option(None, "--grammar-backend", help="auto | xgrammar | llguidance | outlines (docs1000-json)."),
+    grammar_threads: Optional[int] = typer.Option(None, "--grammar-threads", help="Threads that fill grammar masks."),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="torch's CPU threads (default: 1 on a GPU)."),
     profile_dir: Optional[Path] = typer.Option(None, "--profile-dir", help="Profile a few steps of the measured run into this folder."),
 ) -> None:
@@ -70,6 +71,7 @@ def throughput(
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
             grammar_backend=grammar_backend,
+            grammar_threads=grammar_threads,
             torch_threads=torch_threads,
         ).items()
         if v is not None

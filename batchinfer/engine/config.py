@@ -25,6 +25,8 @@ class EngineConfig:
     overlap: build step N+1 on the host while the device runs step N (one-step lookahead; see
         engine/engine.py); False runs the old serial loop (schedule, run, read tokens, repeat).
     grammar_backend: auto | xgrammar | llguidance | outlines.
+    grammar_threads: threads that fill grammar masks (None: all CPUs but one on hosts with more than
+        4 for llguidance, xgrammar's own default for xgrammar).
     seed: seeds the per-request seeds of requests that give none.
     load_format: safetensors (read the checkpoint) | random (random weights of the config's shapes:
         benchmarks of real shapes without a download).
@@ -49,6 +51,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     overlap: bool = True
     grammar_backend: str = "auto"
+    grammar_threads: int | None = None
     seed: int = 0
     load_format: str = "safetensors"
     torch_threads: int | None = None
@@ -66,6 +69,8 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.grammar_threads is not None and self.grammar_threads < 1:
+            raise ValueError("grammar_threads must be at least 1")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError("torch_threads must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

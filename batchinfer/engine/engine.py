@@ -221,6 +221,7 @@ class Engine:
                     self.runner.vocab_size,
                     self.config.grammar_backend,
                     eos_ids=self.model_info.eos_token_ids,
+                    fill_threads=self.config.grammar_threads,
                 )
             try:
                 self._grammars[constraint] = self._compiler.compile(constraint)

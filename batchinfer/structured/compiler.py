@@ -111,6 +111,8 @@ class GrammarCompiler:
     eos_ids: the ids that end an answer (default: the tokenizer's EOS).
     shared_backends: a dict of built backends to share with other compilers of the same
       vocabulary (building one for a 151k vocabulary takes about a second).
+    fill_threads: threads that fill masks and accept tokens for xgrammar and llguidance (None:
+      their defaults; llguidance: all CPUs but one on hosts with more than 4).
     """
 
     def __init__(
@@ -123,8 +125,10 @@ class GrammarCompiler:
         eos_ids: Sequence[int] | None = None,
         limits: CompileLimits | None = None,
         shared_backends: dict[str, Any] | None = None,
+        fill_threads: int | None = None,
     ) -> None:
         self.order = backend_order(backend)
+        self.fill_threads = fill_threads
         self.backend = backend
         self.vocab: Vocab = as_vocab(tokenizer, vocab_size, eos_ids)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
@@ -147,11 +151,11 @@ class GrammarCompiler:
             if name == "llguidance":
                 from batchinfer.structured.llguidance_backend import LLGuidanceBackend
 
-                b = LLGuidanceBackend(self.vocab)
+                b = LLGuidanceBackend(self.vocab, threads=self.fill_threads)
             elif name == "xgrammar":
                 from batchinfer.structured.xgrammar_backend import XGrammarBackend
 
-                b = XGrammarBackend(self.vocab)
+                b = XGrammarBackend(self.vocab, fill_threads=self.fill_threads)
             else:
                 from batchinfer.structured.outlines_backend import OutlinesBackend
 

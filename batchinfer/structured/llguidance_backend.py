@@ -122,11 +122,12 @@ class LLGuidanceBackend:
 
     name = "llguidance"
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: Vocab, threads: int | None = None) -> None:
         import llguidance
         from llguidance._tokenizer import TokenizerWrapper
 
         self.vocab = vocab
+        self._threads = threads  # fill/accept pool size; None: fill_threads()'s default
         self._tok = llguidance.LLTokenizer(TokenizerWrapper(_Wrapper(vocab)), n_vocab=vocab.vocab_size)
 
     def grammar_for(self, constraint: Constraint, relaxed: bool = False) -> str:
@@ -182,8 +183,10 @@ class LLGuidanceBackend:
             self._executor = llguidance.LLExecutor(num_threads=self.fill_threads())
         return self._executor
 
-    @staticmethod
-    def fill_threads() -> int:
+    def fill_threads(self) -> int:
+        """The pool's size (and so the number of matcher prototypes per grammar)."""
+        if self._threads is not None:
+            return self._threads
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return cpus if cpus <= 4 else cpus - 1
 

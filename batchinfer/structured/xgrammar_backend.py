@@ -91,10 +91,11 @@ class XGrammarBackend:
 
     name = "xgrammar"
 
-    def __init__(self, vocab: Vocab, max_threads: int = 2) -> None:
+    def __init__(self, vocab: Vocab, max_threads: int = 2, fill_threads: int | None = None) -> None:
         import xgrammar as xgr
 
         self.vocab = vocab
+        self._fill_threads = fill_threads  # batch fill pool size; None: xgrammar's default
         # Special ids and padding spell b"" so xgrammar never allows them; EOS comes via stop ids.
         encoded = [b if vocab.is_normal(i) else b"" for i, b in enumerate(vocab.token_bytes)]
         self._info = xgr.TokenizerInfo(
@@ -142,7 +143,7 @@ class XGrammarBackend:
         import xgrammar as xgr
 
         if not hasattr(self, "_batch"):
-            self._batch = xgr.BatchGrammarMatcher()
+            self._batch = xgr.BatchGrammarMatcher(self._fill_threads or "auto")
         self._batch.batch_fill_next_token_bitmask([m.raw for m in matchers], bitmask, list(indices))
 
     def finish_rows(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:

@@ -1,7 +1,7 @@
 # One device-tool call: optional GPU tests, then `bench throughput` for each WORKLOAD:MODEL[:BACKEND] argument.
 # Usage (device tool, carry .whl): TESTS=1 bash scripts/gpu_bench.sh nano256:qwen3-0.6b docs1000-json:qwen3-0.6b:xgrammar
 # BACKEND sets engine.grammar_backend; PROFILE=1 profiles 5 steps of each run (BATCHINFER_PROFILE_START, default 60);
-# TORCH_THREADS=N sets torch's CPU threads. JSON reports go to $OUT/<workload>-<model>[-<backend>].json.
+# OVERRIDES='{"grammar_threads": 8, "torch_threads": 2}' sets more EngineConfig fields. JSON reports go to $OUT/<workload>-<model>[-<backend>].json.
 source scripts/device_setup.sh
 if [ -n "$TESTS" ]; then
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py \
@@ -17,11 +17,12 @@ for spec in "$@"; do
 import sys
 from pathlib import Path
 from batchinfer.bench.throughput import format_report, run_throughput, write_report
-import os, torch
+import json, os
 wl, model, backend, out = sys.argv[1:5]
-if os.environ.get("TORCH_THREADS"):  # A/B: torch's CPU intra-op threads beside the grammar libraries' pools
-    torch.set_num_threads(int(os.environ["TORCH_THREADS"]))
-r = run_throughput(model, wl, {"grammar_backend": backend} if backend else None)
+overrides = json.loads(os.environ.get("OVERRIDES") or "{}")  # more EngineConfig fields, e.g. {"grammar_threads": 8}
+if backend:
+    overrides["grammar_backend"] = backend
+r = run_throughput(model, wl, overrides or None)
 write_report(r, Path(out))
 print(format_report(r))
 PY

@@ -1,7 +1,8 @@
-# One device-tool call: optional GPU tests, then `bench throughput` for each WORKLOAD:MODEL[:BACKEND] argument.
+# One device-tool call: optional GPU tests, then `batchinfer bench throughput` for each WORKLOAD:MODEL[:BACKEND] argument.
 # Usage (device tool, carry .whl): TESTS=1 bash scripts/gpu_bench.sh nano256:qwen3-0.6b docs1000-json:qwen3-0.6b:xgrammar
-# BACKEND sets engine.grammar_backend; PROFILE=1 profiles 5 steps of each run (BATCHINFER_PROFILE_START, default 60);
-# OVERRIDES='{"grammar_threads": 8, "torch_threads": 2}' sets more EngineConfig fields. JSON reports go to $OUT/<workload>-<model>[-<backend>].json.
+# BACKEND is --grammar-backend; ARGS="--grammar-threads 8 --torch-threads 2" adds options to every run;
+# PROFILE=1 profiles 5 steps of each run (BATCHINFER_PROFILE_START, default 60). JSON reports go to
+# $OUT/<workload>-<model>[-<backend>].json.
 source scripts/device_setup.sh
 if [ -n "$TESTS" ]; then
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py \
@@ -13,17 +14,8 @@ for spec in "$@"; do
   name="$wl-$model${backend:+-$backend}"
   echo "=== $name"
   [ -n "$PROFILE" ] && export BATCHINFER_PROFILE_DIR=$OUT/prof-$name
-  timeout ${LIMIT:-200} python3 - "$wl" "$model" "$backend" "$OUT/$name.json" <<'PY' 2>&1 | grep -v -i -E "warn|regex pattern" | sed -n "/^workload \|Error\|error/,\$p"
-import sys
-from pathlib import Path
-from batchinfer.bench.throughput import format_report, run_throughput, write_report
-import json, os
-wl, model, backend, out = sys.argv[1:5]
-overrides = json.loads(os.environ.get("OVERRIDES") or "{}")  # more EngineConfig fields, e.g. {"grammar_threads": 8}
-if backend:
-    overrides["grammar_backend"] = backend
-r = run_throughput(model, wl, overrides or None)
-write_report(r, Path(out))
-print(format_report(r))
-PY
+  # shellcheck disable=SC2086  # ARGS is a list of options
+  timeout ${LIMIT:-200} python3 -c "import sys; from batchinfer.bench.cli import bench_app; sys.argv[0]='batchinfer bench'; bench_app()" throughput \
+    --workload "$wl" --model "$model" ${backend:+--grammar-backend "$backend"} $ARGS --out "$OUT/$name.json" 2>&1 \
+    | grep -v -i -E "warn|regex pattern" | sed -n "/^workload \|Error\|error/,\$p"
 done

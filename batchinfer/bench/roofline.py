@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from batchinfer.io.model_files import kv_bytes_per_token
+
 
 @dataclass(frozen=True)
 class Ceilings:
@@ -116,10 +118,10 @@ def workload_floor(
     mean_len = (total_prompt + total_out) / n
     concurrency = max(1, min(n, int(kv_capacity_tokens // max(mean_len, 1))))
     min_steps = max(max(output_lens), -(-total_out // concurrency))
-    kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    kv_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes)
     bytes_ = min_steps * weight_bytes
-    bytes_ += decode_ctx * kv_bytes_per_token
-    bytes_ += (total_prompt + total_out) * kv_bytes_per_token
+    bytes_ += decode_ctx * kv_per_token
+    bytes_ += (total_prompt + total_out) * kv_per_token
     compute_s = flops / ceilings.matmul_flops_per_s
     memory_s = bytes_ / ceilings.copy_bytes_per_s
     return Floor(

@@ -18,6 +18,7 @@ from batchinfer.bench.roofline import measure_ceilings, workload_floor
 from batchinfer.bench.shapes import SHAPES, write_shape
 from batchinfer.bench.workloads import make_workload
 from batchinfer.engine.config import EngineConfig
+from batchinfer.io.model_files import kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def run_throughput(
 
     layer_params, all_params = info.num_layer_params, info.num_params
     dtype_bytes = torch.finfo(info.dtype).bits // 8
-    kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
+    kv_per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
     if cuda:
         free, total = torch.cuda.mem_get_info()
         kv_capacity = int((total * 0.9 - all_params * dtype_bytes) // kv_per_token)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -31,6 +32,13 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # host copies, for backends that loop on the host
     seq_lens_cpu: list[int]
     decode_only: bool  # every query length is 1
+    # Set by the model runner for backends that ask for them (extend_tile_tokens not None), in steps
+    # that are not decode-only: q rows 0..num_decode_rows-1 are one-token sequences for the decode
+    # kernel, over contexts decode_seq_lens (0: padding row of a CUDA graph); extend_tiles is the
+    # extend kernel's tile map (int32 [2, n], kernels.extend_attention.extend_tile_map) of the rest.
+    num_decode_rows: int = 0
+    decode_seq_lens: torch.Tensor | None = None
+    extend_tiles: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -53,6 +61,11 @@ class AttentionBackend(Protocol):
 
     name: str
 
+    def extend_tile_tokens(self, num_heads: int, num_kv_heads: int) -> int | None:
+        """Query tokens per extend tile, if the backend wants the runner to build tile maps
+        (AttentionMetadata.extend_tiles); None if it does not."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
@@ -64,3 +77,20 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
+
+
+def extend_tile_map(query_lens, first_seq: int, block_m: int, size: int | None = None) -> np.ndarray:
+    """int32 [2, n]: (sequence, query tile) of every tile of sequences first_seq.. with block_m tokens
+    per tile; padded with -1 to `size` columns when given (a CUDA graph's fixed grid)."""
+    lens = np.asarray(query_lens, dtype=np.int64)[first_seq:]
+    counts = -(-lens // block_m)
+    n = int(counts.sum())
+    width = n if size is None else size
+    if width < n:
+        raise ValueError(f"{n} extend tiles do not fit a map of {size}")
+    tiles = np.full((2, width), -1, dtype=np.int32)
+    seq = np.repeat(np.arange(first_seq, first_seq + len(lens)), counts)
+    starts = np.cumsum(counts) - counts
+    tiles[0, :n] = seq
+    tiles[1, :n] = np.arange(n) - np.repeat(starts, counts)
+    return tiles

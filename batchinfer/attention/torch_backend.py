@@ -38,6 +38,9 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def extend_tile_tokens(self, num_heads: int, num_kv_heads: int) -> int | None:
+        return None  # loops over sequences on the host: no tile map
+
     def forward(
         self,
         q: torch.Tensor,

@@ -16,7 +16,7 @@ import torch
 from batchinfer.attention.base import AttentionMetadata
 from batchinfer.kernels.cache import reshape_and_cache
 from batchinfer.kernels.decode_attention import paged_decode_attention
-from batchinfer.kernels.extend_attention import paged_extend_attention
+from batchinfer.kernels.extend_attention import extend_block_m, paged_extend_attention
 
 
 @dataclass(frozen=True)
@@ -57,17 +57,25 @@ class TritonAttentionBackend:
         # rows past the last sequence (padding) are never written by the kernels: zero them
         out = torch.zeros_like(q) if q.shape[0] > sum(meta.query_lens_cpu) else torch.empty_like(q)
         # A mixed step's decode rows (first in the batch) go to the split-K decode kernel; the extend
-        # kernel's grid (query tiles x sequences x KV heads) then spans only the prefill chunks
-        # instead of hundreds of one-token sequences whose programs are mostly empty.
-        n_dec = meta.num_leading_single
+        # kernel's tile map then covers only the prefill chunks instead of hundreds of one-token
+        # sequences. With a map from the runner both launch shapes are fixed by the buffers' sizes
+        # (a mixed-step CUDA graph pads them); without one (tests, hand-built metadata) they are
+        # derived here from the host copies.
+        if meta.extend_tiles is None:
+            n_dec, dec_lens, tiles = meta.num_leading_single, meta.seq_lens[: meta.num_leading_single], None
+        else:
+            n_dec, dec_lens, tiles = meta.num_decode_rows, meta.decode_seq_lens, meta.extend_tiles
         if n_dec:
             paged_decode_attention(
-                q[:n_dec], k_cache, v_cache, meta.block_tables[:n_dec], meta.seq_lens[:n_dec], scale,
+                q[:n_dec], k_cache, v_cache, meta.block_tables[:n_dec], dec_lens, scale,
                 num_splits=self.decode_splits, block_n=self.decode_block_n, out=out[:n_dec],
                 num_warps=self.decode_warps, num_stages=self.decode_stages,
             )
         return paged_extend_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, scale, block_rows=self.extend_block_rows, block_n=self.extend_block_n,
-            out=out, first_seq=n_dec,
+            out=out, first_seq=n_dec, tiles=tiles,
         )
+
+    def extend_tile_tokens(self, num_heads: int, num_kv_heads: int) -> int | None:
+        return extend_block_m(num_heads // num_kv_heads, self.extend_block_rows)

@@ -47,6 +47,9 @@ def throughput(
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens"),
     attention_backend: Optional[str] = typer.Option(None, "--attention-backend"),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs"),
+    cuda_graph_max_tokens: Optional[int] = typer.Option(
+        None, "--cuda-graph-max-tokens", help="Largest prefill/mixed step run as a CUDA graph (0: those run eagerly)."
+    ),
     data_parallel: Optional[int] = typer.Option(None, "--data-parallel", help="Engines, one per GPU."),
     grammar_backend: Optional[str] = typer.Option(None, "--grammar-backend", help="auto | xgrammar | llguidance | outlines (docs1000-json)."),
     grammar_threads: Optional[int] = typer.Option(None, "--grammar-threads", help="Threads that fill grammar masks."),
@@ -70,6 +73,7 @@ def throughput(
             max_num_batched_tokens=max_num_batched_tokens,
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
+            cuda_graph_max_tokens=cuda_graph_max_tokens,
             grammar_backend=grammar_backend,
             grammar_threads=grammar_threads,
             torch_threads=torch_threads,

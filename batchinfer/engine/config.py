@@ -22,6 +22,9 @@ class EngineConfig:
     enable_prefix_sharing: share KV blocks of identical full-block prefixes between sequences.
     attention_backend: auto | torch | triton (auto: triton on a GPU, torch on CPU).
     cuda_graphs: capture decode steps as CUDA graphs (GPU only).
+    cuda_graph_max_tokens: with cuda_graphs, also capture steps that prefill (mixed steps) of up to
+        this many tokens, padded to multiples of 512 (engine/cuda_graphs.py MixedGraphs; needs an
+        attention backend with tile maps, i.e. triton); 0: those steps run eagerly.
     overlap: build step N+1 on the host while the device runs step N (one-step lookahead; see
         engine/engine.py); False runs the old serial loop (schedule, run, read tokens, repeat).
     grammar_backend: auto | xgrammar | llguidance | outlines.
@@ -49,6 +52,7 @@ class EngineConfig:
     enable_prefix_sharing: bool = True
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    cuda_graph_max_tokens: int = 8192
     overlap: bool = True
     grammar_backend: str = "auto"
     grammar_threads: int | None = None
@@ -69,6 +73,8 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
         if self.grammar_threads is not None and self.grammar_threads < 1:
             raise ValueError("grammar_threads must be at least 1")
         if self.torch_threads is not None and self.torch_threads < 1:

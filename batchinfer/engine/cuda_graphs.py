@@ -116,3 +116,144 @@ class DecodeGraphs:
             self.seq_lens[n:bs].zero_()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+
+def mixed_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Token counts of the mixed-step graphs: 128, 256, 512, then every multiple of 512 up to
+    max_tokens, then max_tokens itself. A step pads to the next size (at most 511 tokens, 6% of an
+    8k step: padded rows cost their share of the GEMMs, and nothing in attention)."""
+    sizes = {n for n in (128, 256) if n < max_tokens}
+    sizes.update(range(512, max_tokens, 512))
+    sizes.add(max_tokens)
+    return tuple(sorted(sizes))
+
+
+class MixedGraphs:
+    """CUDA graphs for steps that are not decode-only (prefill chunks, with or without decode rows).
+
+    An eager mixed step of a small model is ~400 launches from Python (31 ms of host time for
+    qwen3-0.6b on an H200 host, about as long as the step's device time; BENCHMARKS.md): whatever
+    else the host must do in that step (grammar masks) then comes on top. Here the step is one
+    replay. Each graph is captured for a padded token count T (mixed_graph_sizes) and runs:
+    the model over T rows, the decode kernel over a fixed number of leading rows (contexts of 0 for
+    the rows past the step's decodes), the extend kernel over a fixed-size tile map (-1 past the
+    step's tiles), and the LM head over max_num_seqs gathered rows into one shared logits buffer.
+    Padded token rows write no KV (slot -1) and are never sampled.
+
+    body(input_ids, positions, meta, sample_index, out) must run the model and the LM head into out.
+    """
+
+    def __init__(
+        self,
+        body,
+        max_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        tile_tokens: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.body = body
+        self.sizes = mixed_graph_sizes(max_tokens)
+        self.max_num_seqs = max_num_seqs
+        self.tile_tokens = tile_tokens
+        t, b = self.sizes[-1], max_num_seqs
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(t, **i64)
+        self.positions = torch.zeros(t, **i64)
+        self.slot_mapping = torch.full((t,), -1, **i64)
+        self.sample_index = torch.zeros(b, **i64)
+        self.query_start_loc = torch.zeros(b + 1, **i32)
+        self.seq_lens = torch.zeros(b, **i32)
+        self.block_tables = torch.zeros(b, max_blocks_per_seq, **i32)
+        self.decode_seq_lens = torch.zeros(b, **i32)
+        self.tiles = torch.full((2, self.max_tiles(t)), -1, **i32)
+        self.logits = torch.empty(b, vocab_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._metas = {t: self._meta(t) for t in self.sizes}
+
+    def max_tiles(self, tokens: int) -> int:
+        """Extend tiles a step of `tokens` rows can need: one per tile_tokens, plus one partial tile
+        per sequence."""
+        return -(-tokens // self.tile_tokens) + min(self.max_num_seqs, tokens)
+
+    def decode_rows(self, tokens: int) -> int:
+        return min(self.max_num_seqs, tokens)
+
+    def _meta(self, t: int) -> AttentionMetadata:
+        b = self.max_num_seqs
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:t],
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            max_query_len=t,  # not read: the tile map sets the extend grid
+            max_seq_len=self.block_tables.shape[1],
+            query_lens_cpu=[],  # nothing known at capture: the backend zeroes its output rows
+            seq_lens_cpu=[0] * b,
+            decode_only=False,
+            num_decode_rows=self.decode_rows(t),
+            decode_seq_lens=self.decode_seq_lens[: self.decode_rows(t)],
+            extend_tiles=self.tiles[:, : self.max_tiles(t)],
+        )
+
+    def args(self, t: int) -> tuple:
+        """The body's arguments for size t: views of the static buffers."""
+        return (self.input_ids[:t], self.positions[:t], self._metas[t], self.sample_index, self.logits)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest size first; all graphs share one memory pool and one logits buffer."""
+        pool = None
+        for t in reversed(self.sizes):
+            self.body(*self.args(t))  # warm-up: compiles kernels outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.body(*self.args(t))
+            pool = graph.pool() if pool is None else pool
+            self.graphs[t] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, num_tokens: int, meta: AttentionMetadata, num_samples: int) -> bool:
+        """Whether a packed step (with a tile map) can run as one of these graphs."""
+        return (
+            meta.extend_tiles is not None
+            and num_tokens <= self.sizes[-1]
+            and meta.num_seqs <= self.max_num_seqs
+            and num_samples <= self.max_num_seqs
+            and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+        )
+
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, sample_index: torch.Tensor) -> int:
+        """Copy a packed step into the static buffers (device-side copies, no sync); returns the
+        padded size t whose graph (or body(*args(t))) computes it."""
+        n = input_ids.shape[0]
+        t = self.sizes[bisect.bisect_left(self.sizes, n)]
+        b, s = meta.num_seqs, sample_index.shape[0]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[n:t].fill_(-1)
+        self.sample_index[:s].copy_(sample_index, non_blocking=True)
+        self.sample_index[s:].zero_()  # stale rows could point past this size's T
+        # sequences past b are never read: the tile map and the decode rows name only real ones
+        self.query_start_loc[: b + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
+        d = meta.num_decode_rows
+        self.decode_seq_lens[:d].copy_(meta.decode_seq_lens, non_blocking=True)
+        self.decode_seq_lens[d : self.decode_rows(t)].zero_()
+        k = meta.extend_tiles.shape[1]
+        self.tiles[:, :k].copy_(meta.extend_tiles, non_blocking=True)
+        self.tiles[:, k : self.max_tiles(t)].fill_(-1)
+        return t
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
+        """Stage a packed step and replay the graph of its padded size; returns the logits of its
+        sampling rows (the shared buffer: sample before the next run)."""
+        self.graphs[self.stage(input_ids, positions, meta, sample_index)].replay()
+        return self.logits[: sample_index.shape[0]]

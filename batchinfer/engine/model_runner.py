@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from batchinfer.attention import get_attention_backend
-from batchinfer.attention.base import AttentionMetadata
+from batchinfer.attention.base import AttentionMetadata, extend_tile_map
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.cuda_graphs import DecodeGraphs
+from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from batchinfer.engine.kv_cache import allocate_kv_cache, kv_block_bytes
 from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.sampler import SamplingBatch, ban_tokens_, make_sampling_batch, sample
@@ -138,12 +138,21 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or max_pos
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.vocab_size = self.info.vocab_size
+        # query tokens per extend tile when the backend wants tile maps (AttentionMetadata.extend_tiles)
+        self._tile_tokens: int | None = self.attention.extend_tile_tokens(self.info.num_heads, self.info.num_kv_heads)
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate(self.num_blocks)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         if self._graphs_usable():
             self.graphs = DecodeGraphs(self._logits_all, config.max_num_seqs, self.max_blocks_per_seq, self.device)
             self.graphs.capture()
+        if self._mixed_graph_tokens():
+            self.mixed_graphs = MixedGraphs(
+                self._logits_at, self._mixed_graph_tokens(), config.max_num_seqs, self.max_blocks_per_seq,
+                self._tile_tokens, self.vocab_size, self.info.dtype, self.device,
+            )
+            self.mixed_graphs.capture()
         if self.device.type == "cuda":
             self._warm_up_sampling()
 
@@ -168,9 +177,21 @@ class ModelRunner:
         """CUDA graphs need a GPU and a graph-safe attention backend (the torch one loops on the host)."""
         return self.config.cuda_graphs and self.device.type == "cuda" and self.attention.name == "triton"
 
+    def _mixed_graph_tokens(self) -> int:
+        """Largest step (tokens) captured as a mixed-step graph; 0: none (no decode graphs, or a
+        backend without tile maps, or EngineConfig.cuda_graph_max_tokens 0)."""
+        if not self._graphs_usable() or self._tile_tokens is None:
+            return 0
+        return min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+
     def _logits_all(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The body of a decode graph: the model and the LM head over every row."""
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+
+    def _logits_at(self, input_ids, positions, meta: AttentionMetadata, sample_index, out: torch.Tensor) -> torch.Tensor:
+        """The body of a mixed-step graph: the model, then the LM head over the rows in sample_index."""
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden.index_select(0, sample_index), out=out)
 
     # --- KV cache sizing --------------------------------------------------------------------
 
@@ -208,7 +229,9 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
-        return max(0, int(free * self.config.kv_cache_memory_fraction) - peak)
+        # mixed-step graphs keep a pool of about one largest step's activations for good
+        reserve = peak * (2 if self._mixed_graph_tokens() else 1)
+        return max(0, int(free * self.config.kv_cache_memory_fraction) - reserve)
 
     @torch.inference_mode()
     def profile_step(self) -> torch.Tensor:
@@ -286,10 +309,17 @@ class ModelRunner:
             parts += [cu[1:][gather[0]] - 1, gather[1]]
         longs_np, lo = _concat_aligned(parts)
         longs = self._to_device(longs_np)
-        ints_np, io = _concat_aligned([cu.astype(np.int32), seq_lens.astype(np.int32), table.ravel()])
-        ints = self._to_device(ints_np)
         nb = len(lens)
         lens_list = lens_np.tolist()
+        decode_only = bool((lens_np == 1).all())
+        int_parts = [cu.astype(np.int32), seq_lens.astype(np.int32), table.ravel()]
+        tiles_np = None
+        if self._tile_tokens is not None and not decode_only:
+            n_dec = int(np.argmax(lens_np != 1))  # leading one-token rows: the step's decodes
+            tiles_np = extend_tile_map(lens_np, n_dec, self._tile_tokens)
+            int_parts.append(tiles_np.ravel())
+        ints_np, io = _concat_aligned(int_parts)
+        ints = self._to_device(ints_np)
         seq_lens_list = seq_lens.tolist()
         meta = AttentionMetadata(
             slot_mapping=longs[lo[2] : lo[2] + total],
@@ -300,8 +330,13 @@ class ModelRunner:
             max_seq_len=max(seq_lens_list),
             query_lens_cpu=lens_list,
             seq_lens_cpu=seq_lens_list,
-            decode_only=all(n == 1 for n in lens_list),
+            decode_only=decode_only,
         )
+        if tiles_np is not None:
+            n_tiles = tiles_np.shape[1]
+            meta.num_decode_rows = n_dec
+            meta.decode_seq_lens = meta.seq_lens[:n_dec]
+            meta.extend_tiles = ints[io[3] : io[3] + 2 * n_tiles].view(2, n_tiles)
         batch = StepBatch(
             input_ids=longs[lo[0] : lo[0] + total],
             positions=longs[lo[1] : lo[1] + total],
@@ -319,11 +354,21 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def uses_graph(self, batch: StepBatch) -> bool:
+    def _uses_decode_graph(self, batch: StepBatch) -> bool:
         """Decode-only steps (every row samples) of at most the largest captured size replay a graph."""
         g = self.graphs
         n = batch.input_ids.shape[0]
         return g is not None and batch.meta.decode_only and n <= g.max_batch_size and batch.sample_index.shape[0] == n
+
+    def _uses_mixed_graph(self, batch: StepBatch) -> bool:
+        g = self.mixed_graphs
+        return g is not None and not batch.meta.decode_only and g.fits(
+            batch.input_ids.shape[0], batch.meta, batch.sample_index.shape[0]
+        )
+
+    def uses_graph(self, batch: StepBatch) -> bool:
+        """Whether forward(batch) replays a CUDA graph (a short launch) instead of running eagerly."""
+        return self._uses_decode_graph(batch) or self._uses_mixed_graph(batch)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -332,8 +377,10 @@ class ModelRunner:
         On a GPU this only launches work, so the caller can fill grammar bitmasks meanwhile. A graph
         step returns the graph's output buffer: sample from it before the next forward.
         """
-        if self.uses_graph(batch):
+        if self._uses_decode_graph(batch):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        if self._uses_mixed_graph(batch):
+            return self.mixed_graphs.run(batch.input_ids, batch.positions, batch.meta, batch.sample_index)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         return self.model.compute_logits(hidden.index_select(0, batch.sample_index))
 

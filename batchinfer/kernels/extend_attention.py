@@ -5,8 +5,10 @@ query_len positions of a context of seq_lens[b] tokens. Their K/V were already w
 cache (reshape_and_cache), so every key, whether from a shared prefix, an earlier chunk or this
 step, is read from the cache through the block table.
 
-Grid (query tiles, batch, kv_heads). A program owns BLOCK_M query tokens times all GROUP query
-heads of one KV head, flattened into BLOCK_M * BLOCK_G rows of one tl.dot, so each KV tile is
+Grid (tiles, kv_heads), with a tile map: tile i is query tile tiles[1, i] of sequence tiles[0, i]
+(-1: no work, so a CUDA graph can launch a fixed grid sized for its largest step). The map lists only
+the sequences the caller wants (a mixed step's prefill chunks, not its decode rows) and no empty tiles.
+A program owns BLOCK_M query tokens times all GROUP query heads of one KV head, flattened into BLOCK_M * BLOCK_G rows of one tl.dot, so each KV tile is
 loaded once per GQA group. Keys before the tile's first query position need no causal mask and
 are visited in a mask-free loop; only the last stretch applies the causal/length mask.
 Online softmax in base 2, float32 accumulators.
@@ -14,10 +16,12 @@ Online softmax in base 2, float32 accumulators.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from batchinfer.attention.base import extend_tile_map
 from batchinfer.kernels._util import check_attention_inputs, dot_precision, pow2
 
 LOG2E = 1.4426950408889634
@@ -56,21 +60,24 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-# the block-table width and the first sequence change every step: not specialised on, no recompiles
-@triton.jit(do_not_specialize=["s_bt", "first_seq"])
+# the block-table width and the tile count change every step: not specialised on, no recompiles
+@triton.jit(do_not_specialize=["s_bt", "s_tiles"])
 def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr,
     s_qt, s_qh, s_ot, s_oh,
     s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
-    s_bt,
-    sm_scale_log2, first_seq,
+    s_bt, s_tiles,
+    sm_scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    b = tl.program_id(1) + first_seq
-    kv_head = tl.program_id(2)
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.load(tiles_ptr + pid)
+    if b < 0:
+        return
+    tile = tl.load(tiles_ptr + s_tiles + pid)
 
     q_start = tl.load(qsl_ptr + b)
     query_len = tl.load(qsl_ptr + b + 1) - q_start
@@ -129,6 +136,15 @@ def _extend_kernel(
     )
 
 
+def extend_block_m(group: int, block_rows: int = 64) -> int:
+    """Query tokens per extend tile for a GQA group size (rows = tokens x the group's heads)."""
+    block_g = pow2(group)
+    block_m = max(pow2(block_rows) // block_g, 1)
+    if block_m * block_g < 16:
+        block_m = 16 // block_g
+    return block_m
+
+
 def paged_extend_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -142,36 +158,46 @@ def paged_extend_attention(
     block_n: int = 64,
     out: torch.Tensor | None = None,
     first_seq: int = 0,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     block_rows: query rows (tokens x heads of a GQA group) per program, >= 16 and a power of two;
-    block_n: keys per inner iteration (multiple of 16). first_seq: attend only for sequences
-    first_seq.. (the rows of earlier ones in `out` are left as they are: a mixed step's decode rows,
-    which the decode kernel computes).
+    block_n: keys per inner iteration (multiple of 16).
+    tiles: int32 [2, n] on the device from extend_tile_map(query lens, first_seq,
+    extend_block_m(group, block_rows)): the work to do; the grid is n x KV heads whatever the map
+    holds, so it can be captured in a CUDA graph. None: built here for sequences first_seq.. (reads
+    query_start_loc back to the host). Rows of `out` that no tile covers are left as they are (a
+    mixed step's decode rows, which the decode kernel computes). max_query_len is only read when
+    there is no map (0 means no work).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, group = check_attention_inputs(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
-    batch = seq_lens.shape[0] - first_seq
-    if num_tokens == 0 or batch <= 0 or max_query_len == 0:
-        return out
+    block_m = extend_block_m(group, block_rows)
     block_g = pow2(group)
-    block_m = max(pow2(block_rows) // block_g, 1)
-    if block_m * block_g < 16:
-        block_m = 16 // block_g
-    grid = (triton.cdiv(max_query_len, block_m), batch, num_kv_heads)
-    _extend_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+    if tiles is None:
+        if num_tokens == 0 or max_query_len == 0 or seq_lens.shape[0] <= first_seq:
+            return out
+        qsl = query_start_loc.cpu().numpy().astype(np.int64)
+        tiles = torch.from_numpy(extend_tile_map(np.diff(qsl), first_seq, block_m)).to(q.device)
+    if tiles.dim() != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int32 or tiles.stride(1) != 1:
+        raise ValueError(f"tiles must be a row-major int32 [2, n] tile map, got {tiles.dtype} {tuple(tiles.shape)}")
+    if tiles.shape[1] == 0 or num_tokens == 0:
+        return out
+    _extend_kernel[(tiles.shape[1], num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        scale * LOG2E, first_seq,
+        block_tables.stride(0), tiles.stride(0),
+        scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=pow2(head_dim, 16),
         DOT_PREC=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

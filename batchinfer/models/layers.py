@@ -235,11 +235,13 @@ class CausalLM(nn.Module):
         return hidden
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] in the model's dtype.
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in the model's dtype (into `out` if given).
 
         Not cast to float32 here: the fused sampler reads bf16 directly (a float32 copy of a
         256 x 152k logits block costs ~0.1 ms a step); the torch sampling path casts for itself."""
+        if out is not None:
+            return torch.mm(hidden, self.lm_head.t(), out=out)
         return F.linear(hidden, self.lm_head)
 
     def weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:

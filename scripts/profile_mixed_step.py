@@ -113,7 +113,7 @@ def main() -> None:
     from batchinfer.engine.cuda_graphs import MixedGraphs
 
     t0 = time.perf_counter()
-    mixed = MixedGraphs(runner._logits_at, 8192, 256, runner.max_blocks_per_seq, runner._tile_tokens,
+    mixed = MixedGraphs(runner._logits_at, 8192, len(lens), runner.max_blocks_per_seq, runner._tile_tokens,
                         runner.vocab_size, runner.info.dtype, runner.device)
     mixed.capture()
     print(f"captured {len(mixed.sizes)} mixed-step graphs in {time.perf_counter() - t0:.1f} s, "

@@ -31,7 +31,7 @@ class Variant:
     label: str = field(default="")
 
 
-ATTN_PTRS = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32", "mid_o_ptr": "fp32", "mid_lse_ptr": "fp32"}
+ATTN_PTRS = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32", "tiles_ptr": "i32", "mid_o_ptr": "fp32", "mid_lse_ptr": "fp32"}
 
 VARIANTS = [
     Variant("decode_attention", "_decode_split_kernel", {"default": "bf16", **ATTN_PTRS},

@@ -12,10 +12,7 @@ Usage (device tool, 2+ GPUs): python3 scripts/gpu_multi_job.py [N] [WORKERS]
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -25,6 +22,7 @@ import polars as pl
 
 import batchinfer
 from batchinfer.bench.shapes import write_shape
+from batchinfer.executors.data_parallel import sigkill_workers_after
 from batchinfer.io.manifest import MANIFEST
 from batchinfer.run import RunError
 
@@ -36,21 +34,6 @@ SCHEMA = {
     "required": ["kind", "urgent", "summary"],
     "additionalProperties": False,
 }
-
-
-def kill_hook(after_rows: int, how_many: int):
-    killed: list[int] = []
-
-    def hook(progress) -> None:
-        if killed or progress.rows < after_rows:
-            return
-        workers = sorted((p for p in mp.active_children() if p.name.startswith("batchinfer-dp-")), key=lambda p: p.name)
-        for p in workers[:how_many]:
-            os.kill(p.pid, signal.SIGKILL)
-            killed.append(p.pid)
-        print(f"  SIGKILLed {len(killed)} worker(s) after {progress.rows} rows", flush=True)
-
-    return hook, killed
 
 
 def check_exactly_once(out: Path, n: int) -> None:
@@ -87,7 +70,7 @@ def main() -> None:
 
     print(f"{n} documents, {workers} engine workers", flush=True)
     print("run 1: one worker killed after a quarter of the rows", flush=True)
-    hook, killed = kill_hook(n // 4, 1)
+    hook, killed = sigkill_workers_after(n // 4, 1)
     t0 = time.perf_counter()
     summary = batchinfer.run(job("out1"), on_progress=hook)
     print(f"  finished in {time.perf_counter() - t0:.1f} s: {summary.this_run_rows} rows this run, "
@@ -95,7 +78,7 @@ def main() -> None:
     check_exactly_once(tmp / "out1", n)
 
     print("run 2: every worker killed after a third of the rows, then resumed", flush=True)
-    hook, killed = kill_hook(n // 3, workers)
+    hook, killed = sigkill_workers_after(n // 3, workers)
     t0 = time.perf_counter()
     try:
         batchinfer.run(job("out2"), on_progress=hook)

@@ -54,6 +54,27 @@ def graph_time(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def _timed(fn) -> tuple[float, object]:
+    """(host milliseconds, result) of one call of fn."""
+    t0 = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def _host_and_wall(fn, reps: int = 10) -> tuple[float, float]:
+    """Median host milliseconds of fn (launching only) and until the device has finished it."""
+    fn()
+    launch, wall = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        launch.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(launch), statistics.median(wall)
+
+
 def build_step(runner: ModelRunner, num_decode: int, prefill: list[int], prefix: int = 200):
     rng = np.random.default_rng(0)
     bs = runner.block_size
@@ -87,22 +108,11 @@ def main() -> None:
     print(f"model {args.model}; step: {args.decode} decode rows + prefill chunks {prefill} = {sum(lens)} tokens, {blocks} KV blocks")
 
     # 1. pack, launch, wall
-    pack, launch, wall = [], [], []
-    for i in range(12):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        batch = runner._pack(starts, lens, ids, tables, samples)
-        t1 = time.perf_counter()
-        runner.forward(batch)
-        t2 = time.perf_counter()
-        torch.cuda.synchronize()
-        t3 = time.perf_counter()
-        if i >= 2:
-            pack.append((t1 - t0) * 1e3)
-            launch.append((t2 - t1) * 1e3)
-            wall.append((t3 - t1) * 1e3)
     med = statistics.median
-    print(f"eager: pack {med(pack):.2f} ms, launch {med(launch):.2f} ms (host), launch..done {med(wall):.2f} ms")
+    pack = [_timed(lambda: runner._pack(starts, lens, ids, tables, samples))[0] for _ in range(5)]
+    batch = runner._pack(starts, lens, ids, tables, samples)
+    launch, wall = _host_and_wall(lambda: runner.forward(batch))
+    print(f"eager: pack {med(pack):.2f} ms, launch {launch:.2f} ms (host), launch..done {wall:.2f} ms")
 
     # 2. the same forward in one CUDA graph
     batch = runner._pack(starts, lens, ids, tables, samples)
@@ -119,21 +129,11 @@ def main() -> None:
     print(f"captured {len(mixed.sizes)} mixed-step graphs in {time.perf_counter() - t0:.1f} s, "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
     eager_logits = runner.forward(batch).clone()
-    launch, wall = [], []
-    for i in range(12):
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        logits = mixed.run(batch.input_ids, batch.positions, batch.meta, batch.sample_index)
-        t2 = time.perf_counter()
-        torch.cuda.synchronize()
-        t3 = time.perf_counter()
-        if i >= 2:
-            launch.append((t2 - t1) * 1e3)
-            wall.append((t3 - t1) * 1e3)
+    launch, wall = _host_and_wall(lambda: mixed.run(batch.input_ids, batch.positions, batch.meta, batch.sample_index))
+    logits = mixed.logits[: batch.sample_index.shape[0]]
     diff = ((logits.float() - eager_logits.float()).abs().max() / eager_logits.float().abs().max()).item()
-    print(f"mixed graph: stage+replay {med(launch):.2f} ms (host), done after {med(wall):.2f} ms; "
+    print(f"mixed graph: stage+replay {launch:.2f} ms (host), done after {wall:.2f} ms; "
           f"max rel. logit diff vs eager {diff:.2e}")
-    del mixed
 
     # 3. device time per kernel and host time per op
     from torch.profiler import ProfilerActivity, profile

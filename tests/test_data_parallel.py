@@ -4,16 +4,13 @@ and duplicate nothing (their rows go to the others, or to the resumed run)."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import signal
 from pathlib import Path
 
 import polars as pl
 import pytest
 
 import batchinfer
-from batchinfer.executors.data_parallel import Coordinator, DataParallelPlan, _Worker, plan_data_parallel
+from batchinfer.executors.data_parallel import Coordinator, DataParallelPlan, _Worker, plan_data_parallel, sigkill_workers_after
 from batchinfer.executors.parts import WorkerPartWriter
 from batchinfer.io.manifest import MANIFEST, REJECTS
 from batchinfer.io.readers import Row
@@ -89,24 +86,9 @@ def test_two_workers_give_the_same_rows_as_one(tiny_model, tmp_path):
     assert batchinfer.run(job(tiny_model, tmp_path, "two", 2)).nothing_to_do
 
 
-def _kill_workers(after_rows: int, how_many: int):
-    """An on_progress hook that SIGKILLs `how_many` engine workers once `after_rows` rows finished."""
-    killed: list[int] = []
-
-    def hook(progress) -> None:
-        if killed or progress.rows < after_rows:
-            return
-        workers = sorted((p for p in mp.active_children() if p.name.startswith("batchinfer-dp-")), key=lambda p: p.name)
-        for p in workers[:how_many]:
-            os.kill(p.pid, signal.SIGKILL)
-            killed.append(p.pid)
-
-    return hook, killed
-
-
 def test_sigkill_one_worker_mid_run_its_rows_go_to_the_other(tiny_model, tmp_path):
     write_input(tmp_path)
-    hook, killed = _kill_workers(after_rows=6, how_many=1)
+    hook, killed = sigkill_workers_after(after_rows=6, how_many=1)
     summary = batchinfer.run(job(tiny_model, tmp_path, "out", 2), on_progress=hook)
     assert len(killed) == 1
     assert_exactly_once(tmp_path / "out")
@@ -115,7 +97,7 @@ def test_sigkill_one_worker_mid_run_its_rows_go_to_the_other(tiny_model, tmp_pat
 
 def test_sigkill_every_worker_then_resume_exactly_once(tiny_model, tmp_path):
     write_input(tmp_path)
-    hook, killed = _kill_workers(after_rows=6, how_many=2)
+    hook, killed = sigkill_workers_after(after_rows=6, how_many=2)
     with pytest.raises(RunError, match="all 2 engine workers died"):
         batchinfer.run(job(tiny_model, tmp_path, "out", 2), on_progress=hook)
     assert len(killed) == 2

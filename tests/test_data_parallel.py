@@ -10,14 +10,14 @@ import polars as pl
 import pytest
 
 import batchinfer
-from batchinfer.executors.data_parallel import Coordinator, DataParallelPlan, _Worker, plan_data_parallel, sigkill_workers_after
-from batchinfer.executors.parts import WorkerPartWriter
+from batchinfer.job.executors.data_parallel import Coordinator, DataParallelPlan, _Worker, plan_data_parallel, sigkill_workers_after
+from batchinfer.job.executors.parts import WorkerPartWriter
 from batchinfer.io.manifest import MANIFEST, REJECTS
 from batchinfer.io.readers import Row
 from batchinfer.io.writer import output_schema
-from batchinfer.job import JobError, load_job
-from batchinfer.plan import plan_inputs
-from batchinfer.run import RunError
+from batchinfer.job.spec import JobError, load_job
+from batchinfer.job.plan import plan_inputs
+from batchinfer.job import RunError
 
 N_ROWS = 48
 

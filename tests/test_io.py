@@ -16,7 +16,7 @@ from batchinfer.io import manifest as mf
 from batchinfer.io.ids import check_ids
 from batchinfer.io.readers import InputError, Reject, Row, iter_rows, list_input_files
 from batchinfer.io.writer import PartWriter, output_schema
-from batchinfer.job import JobError
+from batchinfer.job.spec import JobError
 
 
 def write_jsonl(path: Path, lines: list) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchinfer.job import SCHEMA_PATH, JobError, JobSpec, apply_set, job_json_schema, load_job
+from batchinfer.job.spec import SCHEMA_PATH, JobError, JobSpec, apply_set, job_json_schema, load_job
 
 BASE = {
     "model": "models/tiny",
@@ -122,6 +122,6 @@ def test_spec_is_frozen_and_dict_jobs_work(tmp_path):
 
 
 def test_exported_schema_is_up_to_date():
-    assert SCHEMA_PATH.exists(), "run `python -m batchinfer.job` to write schemas/job.schema.json"
-    assert json.loads(SCHEMA_PATH.read_text()) == job_json_schema(), "run `python -m batchinfer.job` to refresh it"
+    assert SCHEMA_PATH.exists(), "run `python -m batchinfer.job.spec` to write schemas/job.schema.json"
+    assert json.loads(SCHEMA_PATH.read_text()) == job_json_schema(), "run `python -m batchinfer.job.spec` to refresh it"
     assert set(job_json_schema()["properties"]) == set(JobSpec.model_fields)

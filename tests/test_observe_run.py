@@ -24,10 +24,10 @@ from typer.testing import CliRunner
 import batchinfer
 from batchinfer.cli import app
 from batchinfer.io.manifest import MANIFEST, Manifest
-from batchinfer.job import JobError, load_job
+from batchinfer.job.spec import JobError, load_job
 from batchinfer.observe import read_token_ids
 from batchinfer.observe.report import REPORT_HTML, REPORT_JSON
-from batchinfer.run import make_engine
+from batchinfer.job import make_engine
 from failing_engine import FailingEngine
 
 N_ROWS = 36
@@ -159,9 +159,9 @@ def test_cli_run_with_every_option_then_report(tiny_model, tmp_path, monkeypatch
     assert final["batchinfer_tokens_total{kind=completion}"] == 6 * N_ROWS
     assert final["batchinfer_steps_total"] == report["totals"]["steps"]
 
-    # the token-id sidecar decodes back to the prompts as batchinfer.prompts renders them
+    # the token-id sidecar decodes back to the prompts as batchinfer.job.prompts renders them
     from batchinfer.models.loader import load_tokenizer
-    from batchinfer.prompts import PromptBuilder
+    from batchinfer.job.prompts import PromptBuilder
 
     spec = load_job(job)
     tok = load_tokenizer(tiny_model)

@@ -14,8 +14,8 @@ import pytest
 import batchinfer
 from batchinfer.io.manifest import MANIFEST, REJECTS
 from batchinfer.io.readers import InputError
-from batchinfer.job import JobError
-from batchinfer.run import make_engine, run
+from batchinfer.job.spec import JobError
+from batchinfer.job import make_engine, run_job as run
 from failing_engine import FailingEngine
 
 WORDS = "invoice total date customer alpha beta gamma one two three".split()

@@ -74,6 +74,6 @@ def test_sigkill_at_several_points_then_resume_exactly_once(tiny_model, tmp_path
     assert sorted(df["doc_id"].to_list()) == [r["doc_id"] for r in rows]  # every id exactly once
     assert json.loads((out / MANIFEST).read_text())["rows"] == N_ROWS
     assert not [f for f in out.iterdir() if f.name.startswith(("_tmp", "."))]
-    from batchinfer.run import run
+    from batchinfer.job import run_job as run
 
     assert run(job).nothing_to_do

@@ -378,7 +378,7 @@ def run_throughput_data_parallel(
     """
     import multiprocessing as mp
 
-    from batchinfer.executors.data_parallel import visible_gpus
+    from batchinfer.job.executors.data_parallel import visible_gpus
 
     if n < 1:
         raise ValueError(f"--data-parallel must be at least 1, not {n}")

@@ -103,7 +103,7 @@ class Manifest:
             parts = [PartInfo(x["name"], int(x["rows"]), int(x.get("errors", 0))) for x in d["parts"]]
             return cls(folder, d["fingerprint"], d.get("components", {}), d.get("id_column", ""), parts)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            from batchinfer.job import JobError
+            from batchinfer.job.spec import JobError
 
             raise JobError(f"{p}: manifest is unreadable ({e}); remove the folder or run with --overwrite") from None
 
@@ -194,7 +194,7 @@ def recover(manifest: Manifest) -> tuple[int, int]:
             deleted += 1
             continue
         if errors is None:
-            from batchinfer.job import JobError
+            from batchinfer.job.spec import JobError
 
             raise JobError(f"{path} is not output of this job (different fingerprint); use --overwrite or a new output.path")
         manifest.parts.append(PartInfo(name, meta.num_rows, errors))
@@ -220,7 +220,7 @@ def lock_output(folder: Path):
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         fh.close()
-        from batchinfer.job import JobError
+        from batchinfer.job.spec import JobError
 
         raise JobError(f"another batchinfer run is writing to {folder}; wait for it to finish") from None
     return fh

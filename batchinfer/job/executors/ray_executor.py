@@ -40,9 +40,9 @@ from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
-from batchinfer.executors.parts import WorkerPartWriter, infer_types
+from batchinfer.job.executors.parts import WorkerPartWriter, infer_types
 from batchinfer.io import manifest as mf
-from batchinfer.job import JobError, JobSpec
+from batchinfer.job.spec import JobError, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,9 @@ class EngineActor:
 
     def __init__(self, job: dict[str, Any], folder: str, fingerprint: str, columns: dict[str, Any], finished: pa.Array,
                  counter: Any, engine_factory: Callable[..., Any], read_columns: list[str]) -> None:
-        from batchinfer.job import load_job
-        from batchinfer.requests import RequestBuilder
-        from batchinfer.results import ResultConverter
+        from batchinfer.job.spec import load_job
+        from batchinfer.job.requests import RequestBuilder
+        from batchinfer.job.results import ResultConverter
 
         self.spec = load_job(job)
         self.folder, self.fingerprint, self.columns, self.counter = folder, fingerprint, columns, counter
@@ -128,7 +128,7 @@ class EngineActor:
         return ray.get(self.counter.next.remote())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from batchinfer.run import Progress, execute
+        from batchinfer.job.driver import Progress, execute
 
         rows = self._rows(batch)
         parts: list[tuple[mf.PartInfo, list[str]]] = []
@@ -178,7 +178,7 @@ def read_jsonl_files(batch: pa.Table, id_column: str, columns: list[str], batch_
     file is done, so the driver only ever joins complete reject lists (a retried task rewrites its file).
     """
     from batchinfer.io.readers import InputFile, Reject, iter_jsonl
-    from batchinfer.run import reject_line
+    from batchinfer.job.driver import reject_line
 
     keep = set(columns)
     for path, index in zip(batch.column("file").to_pylist(), batch.column("index").to_pylist()):
@@ -241,7 +241,7 @@ def parquet_rejects(file: Any, id_column: str, batch_size: int, columns: list[st
 
 def _write_rejects(plan: Any, columns: list[str]) -> int:
     """Join every input file's rejects, in input order, into `_rejects.jsonl` (as a local run writes it); their count."""
-    from batchinfer.run import RunError, reject_line
+    from batchinfer.job.driver import RunError, reject_line
 
     out, spec = plan.output_dir, plan.spec
     tmp = out / f"{mf.TMP_PREFIX}{mf.REJECTS}"
@@ -318,12 +318,12 @@ def run_ray(
     import itertools
     import sys
 
-    from batchinfer.executors.data_parallel import template_columns
+    from batchinfer.job.executors.data_parallel import template_columns
     from batchinfer.io.readers import Row
     from batchinfer.io.writer import existing_schema, output_schema
-    from batchinfer.plan import pending_rows
-    from batchinfer.results import RESULT_NAMES, ResultConverter
-    from batchinfer.run import Progress, RunError, progress_bar, summarize
+    from batchinfer.job.plan import pending_rows
+    from batchinfer.job.results import RESULT_NAMES, ResultConverter
+    from batchinfer.job.driver import Progress, RunError, progress_bar, summarize
 
     ray = import_ray()
     if not ray.is_initialized():

@@ -8,9 +8,9 @@ import pyarrow as pa
 
 from batchinfer.engine.request import Result
 from batchinfer.io.writer import RESULT_FIELDS
-from batchinfer.job import JobSpec
+from batchinfer.job.spec import JobSpec
 from batchinfer.observe import row_metrics
-from batchinfer.requests import RowMeta
+from batchinfer.job.requests import RowMeta
 
 RESULT_NAMES = frozenset(f.name for f in RESULT_FIELDS)  # the engine's columns of an output row
 

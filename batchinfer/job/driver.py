@@ -24,12 +24,12 @@ from batchinfer.engine.request import Request, Result
 from batchinfer.io import manifest as mf
 from batchinfer.io.readers import Reject, Row
 from batchinfer.io.writer import PartWriter, existing_schema, output_schema
-from batchinfer.job import JobError, JobSpec, load_job
+from batchinfer.job.spec import JobError, JobSpec, load_job
 from batchinfer.observe import ObserveOptions, Observer
-from batchinfer.plan import JobPlan, pending_rows, plan_inputs
-from batchinfer.prompts import RowError
-from batchinfer.requests import RequestBuilder, RowMeta
-from batchinfer.results import RESULT_NAMES, ResultConverter
+from batchinfer.job.plan import JobPlan, pending_rows, plan_inputs
+from batchinfer.job.prompts import RowError
+from batchinfer.job.requests import RequestBuilder, RowMeta
+from batchinfer.job.results import RESULT_NAMES, ResultConverter
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def make_engine(spec: JobSpec, on_step: Callable[[Any], None] | None = None):
     return Engine(spec.engine_config(), on_step=on_step)
 
 
-def run(
+def run_job(
     job: "str | Path | dict[str, Any] | JobSpec",
     overrides: list[str] | tuple[str, ...] = (),
     overwrite: bool = False,
@@ -352,14 +352,14 @@ def pending_runner(spec: JobSpec, executor: str = "local") -> Callable[..., RunS
     """Who runs the pending rows (same arguments as _run_pending): None is one engine in this process;
     engine.data_parallel > 1 a process per GPU (executors/data_parallel.py); "ray" a Ray cluster."""
     if executor == "ray":
-        from batchinfer.executors.ray_executor import ray_runner
+        from batchinfer.job.executors.ray_executor import ray_runner
 
         return ray_runner(spec)
     if executor != "local":
         raise JobError(f"--executor {executor!r}: use local or ray")
     if spec.engine.data_parallel == 1:
         return None
-    from batchinfer.executors.data_parallel import data_parallel_runner
+    from batchinfer.job.executors.data_parallel import data_parallel_runner
 
     return data_parallel_runner(spec)
 
@@ -436,14 +436,3 @@ def summarize(plan: JobPlan, rejects: int, stats: Progress, seconds: float, noth
         nothing_to_do=nothing_to_do,
         recovered_parts=plan.recovered,
     )
-
-
-class _CallableModule(type(sys)):  # type: ignore[misc]
-    """`batchinfer.run` is both this module and the function: importing the submodule binds the
-    package attribute `run` to the module, so the module itself forwards calls to `run()`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> RunSummary:
-        return run(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -7,8 +7,8 @@ from typing import Any
 
 from batchinfer.engine.request import Request
 from batchinfer.io.readers import Row
-from batchinfer.job import JobSpec
-from batchinfer.prompts import PromptBuilder, RowError
+from batchinfer.job.spec import JobSpec
+from batchinfer.job.prompts import PromptBuilder, RowError
 
 
 # ---- stage 3: rows to requests -----------------------------------------------------------------------

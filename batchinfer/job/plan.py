@@ -20,7 +20,7 @@ from batchinfer.io.ids import IdCheck, check_ids
 from batchinfer.io.model_files import model_components
 from batchinfer.io.readers import InputError, InputFile, Reject, Row, input_columns, iter_rows, list_input_files
 from batchinfer.io.writer import existing_schema
-from batchinfer.job import JobError, JobSpec
+from batchinfer.job.spec import JobError, JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.request import SamplingParams
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "job.schema.json"
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "job.schema.json"
 
 
 class JobError(ValueError):
@@ -344,5 +344,5 @@ def load_job(
         raise JobError(f"invalid job {source}: {e}") from None
 
 
-if __name__ == "__main__":  # python -m batchinfer.job: refresh schemas/job.schema.json
+if __name__ == "__main__":  # python -m batchinfer.job.spec: refresh schemas/job.schema.json
     write_json_schema()

@@ -27,11 +27,11 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from batchinfer.executors.dp_worker import WorkerArgs, worker_main
-from batchinfer.executors.parts import infer_types, part_ids
+from batchinfer.job.executors.dp_worker import WorkerArgs, worker_main
+from batchinfer.job.executors.parts import infer_types, part_ids
 from batchinfer.io import manifest as mf
 from batchinfer.io.readers import Reject, Row
-from batchinfer.job import JobError, JobSpec
+from batchinfer.job.spec import JobError, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class Coordinator:
 
     def _read(self, n: int) -> None:
         """Move up to n more pending rows into the backlog (rejects go to the rejects file)."""
-        from batchinfer.run import reject_line
+        from batchinfer.job.driver import reject_line
 
         while n > 0 and not self.source_done:
             try:
@@ -342,7 +342,7 @@ class Coordinator:
 
     def run(self) -> Outcome:
         """Until every pending row is in a recorded part (or the run fails): RunError on failure."""
-        from batchinfer.run import RunError
+        from batchinfer.job.driver import RunError
 
         self.start()
         try:
@@ -451,9 +451,9 @@ def run_data_parallel(
     import sys
 
     from batchinfer.io.writer import existing_schema, output_schema
-    from batchinfer.plan import pending_rows
-    from batchinfer.results import RESULT_NAMES, ResultConverter
-    from batchinfer.run import Progress, progress_bar, summarize
+    from batchinfer.job.plan import pending_rows
+    from batchinfer.job.results import RESULT_NAMES, ResultConverter
+    from batchinfer.job.driver import Progress, progress_bar, summarize
 
     spec = plan.spec
     out = plan.output_dir
@@ -499,7 +499,7 @@ def run_data_parallel(
 def template_columns(spec: JobSpec, model_dir: Path) -> list[str]:
     """The row columns the prompt template reads (what the workers need of each row)."""
     from batchinfer.models.loader import load_tokenizer
-    from batchinfer.prompts import PromptBuilder
+    from batchinfer.job.prompts import PromptBuilder
 
     return PromptBuilder(spec.prompt, load_tokenizer(model_dir)).columns
 

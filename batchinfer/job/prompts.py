@@ -15,7 +15,7 @@ import jinja2
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from batchinfer.job import JobError, PromptSpec
+from batchinfer.job.spec import JobError, PromptSpec
 
 # Values a template may render; anything else (lists, dicts, bytes) is a row error.
 SCALARS = (str, int, float, bool, dt.date, dt.datetime, dt.time, decimal.Decimal)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from batchinfer.executors.parts import WorkerPartWriter
+from batchinfer.job.executors.parts import WorkerPartWriter
 
 EXIT_ORPHANED = 3  # the driver went away
 
@@ -98,9 +98,9 @@ def worker_main(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> Non
 
 
 def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> None:
-    from batchinfer.job import load_job
-    from batchinfer.requests import RequestBuilder
-    from batchinfer.results import ResultConverter
+    from batchinfer.job.spec import load_job
+    from batchinfer.job.requests import RequestBuilder
+    from batchinfer.job.results import ResultConverter
 
     spec = load_job(args.job, args.overrides)
     if args.threads:
@@ -136,7 +136,7 @@ def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> None:
 def _session(first: tuple, inbox: "queue.Queue[tuple]", args: WorkerArgs, spec: Any, engine: Any, builder: Any,
              converter: Any, reports: Any, next_number: Callable[[], int]) -> str:
     """One request stream over units until "drain" (or "stop"); its rows all end in committed parts."""
-    from batchinfer.run import Progress, execute
+    from batchinfer.job.driver import Progress, execute
 
     outbox = _Outbox(reports, args.report_every_s)
     ended = ["drain"]

@@ -74,7 +74,9 @@ def run(
         None, "--log-level", help="debug | info | warning | error (default: info; warning with --quiet)"
     ),
     executor: str = typer.Option(
-        "local", "--executor", help="local: this host (engine.data_parallel engines); ray: a Ray cluster (pip install 'batchinfer[ray]')"
+        "local", "--executor",
+        help="local: this host (engine.data_parallel engines); data_parallel: engine processes even for one; "
+        "ray: a Ray cluster (pip install 'batchinfer[ray]')",
     ),
 ) -> None:
     """Run a job: stream the input through the model into Parquet; resumes where a previous run stopped.

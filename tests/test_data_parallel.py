@@ -70,6 +70,32 @@ def test_plan_workers():
         load_job({**base, "engine": {"data_parallel": 0}})
 
 
+def test_executors_are_chosen_by_name(monkeypatch):
+    """`local` is this host (one engine here unless engine.data_parallel asks for more), `data_parallel` always
+    worker processes; every executor has the declared interface."""
+    import torch
+
+    from batchinfer.job.executors import EXECUTORS, executor_for
+    from batchinfer.job.executors.base import Executor
+    from batchinfer.job.executors.data_parallel import DataParallelExecutor
+    from batchinfer.job.executors.local import LocalExecutor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a host without GPUs
+    base = {"model": "m", "input": {"path": "a", "id_column": "i"}, "output": {"path": "o"}, "prompt": {"template": "t"}}
+    spec = lambda **e: load_job({**base, "engine": {"device": "auto", **e}})  # noqa: E731
+    assert isinstance(executor_for("local", spec()), LocalExecutor)
+    assert isinstance(executor_for("local", spec(data_parallel="auto")), LocalExecutor)  # one CPU engine: no process
+    two = executor_for("local", spec(data_parallel=2))
+    assert isinstance(two, DataParallelExecutor) and two.dp.workers == 2
+    one = executor_for("data_parallel", spec())
+    assert isinstance(one, DataParallelExecutor) and one.dp.workers == 1
+    assert set(EXECUTORS) == {"local", "data_parallel", "ray"}
+    for ex in (LocalExecutor(), two):
+        assert isinstance(ex, Executor) and ex.name in EXECUTORS
+    with pytest.raises(JobError, match="--executor 'spark': use one of local, data_parallel, ray"):
+        executor_for("spark", spec())
+
+
 def test_two_workers_give_the_same_rows_as_one(tiny_model, tmp_path):
     write_input(tmp_path)
     one = batchinfer.run(job(tiny_model, tmp_path, "one", 1))

@@ -413,8 +413,9 @@ def test_driver_row_records_count_errors_as_the_output_does(tmp_path):
 
 
 def test_driver_row_record_type_is_accepted(tmp_path):
-    run_mod = pytest.importorskip("batchinfer.job.driver")
-    rec = run_mod.RowRecord("x", "stop", 4, 2, RequestTimes(1.0, 1.0, 1.5, 2.0), 0)
+    from batchinfer.job.summary import RowRecord
+
+    rec = RowRecord("x", "stop", 4, 2, RequestTimes(1.0, 1.0, 1.5, 2.0), 0)
     obs = Observer(ObserveOptions(out_dir=tmp_path / "o", metrics_textfile=tmp_path / "m.prom"))
     obs.on_row(rec)
     report = obs.close()

@@ -14,11 +14,11 @@ _EXPORTS = {
     "JobError": "spec",
     "load_job": "spec",
     "run_job": "driver",
-    "make_engine": "driver",
-    "RunSummary": "driver",
-    "RowRecord": "driver",
-    "Progress": "driver",
-    "RunError": "driver",
+    "make_engine": "stage",
+    "RunError": "stage",
+    "RunSummary": "summary",
+    "RowRecord": "summary",
+    "Progress": "summary",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,6 +7,7 @@ the committed parts; a row whose id is among them is skipped when the input is r
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,9 @@ class JobPlan:
     def output_dir(self) -> Path:
         return Path(self.spec.output.path)
 
-    @property
+    @functools.cached_property
     def pending_count(self) -> int:
+        """Rows with an id not yet in the output (counted once: `finished` is fixed for the plan's life)."""
         if self.finished.is_empty():
             return self.ids.num_rows
         return self.ids.ids.lazy().filter(~pl.col("id").is_in(self.finished.implode())).select(pl.len()).collect().item()

@@ -1,10 +1,10 @@
-"""`engine.data_parallel: N | auto`: one engine process per GPU of this host, one output folder.
+"""The data-parallel executor: one engine process per GPU of this host (`engine.data_parallel`), one output folder.
 
-The driver (this module, in the `batchinfer run` process) keeps the output lock and is the manifest's
-only writer. It reads the pending rows (the same anti-join as a single-engine run), cuts them into work
+The coordinator (this module, in the `batchinfer run` process, which holds the output lock) is the
+manifest's only writer. It reads the pending rows (the same anti-join as a single-engine run), cuts them into work
 units of a few rows and hands them out dynamically: each worker is kept `prefetch_units` units ahead,
 so a fast worker takes more. Workers (`dp_worker.py`) commit part files themselves and report each
-part with its ids; the driver records it in the manifest.
+part with its ids; the coordinator records it in the manifest.
 
 A worker that dies (SIGKILL, OOM killer, a crashed driver library): its committed-but-unreported parts
 are recovered from the folder (`manifest.recover`), and its other rows, which are in no committed
@@ -16,7 +16,6 @@ would only kill the next worker too); the other workers then finish and commit w
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import multiprocessing as mp
 import os
@@ -24,14 +23,17 @@ import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
-from batchinfer.job.executors.dp_worker import WorkerArgs, worker_main
-from batchinfer.job.executors.parts import infer_types, part_ids
 from batchinfer.io import manifest as mf
 from batchinfer.io.readers import Reject, Row
+from batchinfer.job.executors.base import RunHooks
+from batchinfer.job.executors.dp_worker import WorkerArgs, worker_main
+from batchinfer.job.executors.parts import infer_types, part_ids
+from batchinfer.job.plan import JobPlan, pending_rows
 from batchinfer.job.spec import JobError, JobSpec
+from batchinfer.job.stage import RunError, output_columns, read_columns, reject_line, rejects_file, template_columns
+from batchinfer.job.summary import Progress, RunSummary, progress_bar, summarize
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ def sigkill_workers_after(after_rows: int, how_many: int) -> tuple[Callable[[Any
     The job must still end with every id exactly once (the rest re-queued, or after a resume)."""
     killed: list[int] = []
 
-    def hook(progress) -> None:
+    def hook(progress: Progress) -> None:
         if killed or progress.rows < after_rows:
             return
         for p in live_workers()[:how_many]:
@@ -140,7 +142,7 @@ class Coordinator:
 
     def __init__(
         self,
-        plan: Any,  # run.JobPlan
+        plan: JobPlan,
         dp: DataParallelPlan,
         columns: dict[str, Any],
         items: Iterator[Row | Reject],
@@ -172,8 +174,6 @@ class Coordinator:
 
     def _read(self, n: int) -> None:
         """Move up to n more pending rows into the backlog (rejects go to the rejects file)."""
-        from batchinfer.job.driver import reject_line
-
         while n > 0 and not self.source_done:
             try:
                 item = next(self.items)
@@ -342,8 +342,6 @@ class Coordinator:
 
     def run(self) -> Outcome:
         """Until every pending row is in a recorded part (or the run fails): RunError on failure."""
-        from batchinfer.job.driver import RunError
-
         self.start()
         try:
             while True:
@@ -421,87 +419,50 @@ class _environ:
                 os.environ[k] = old
 
 
-def data_parallel_runner(spec: JobSpec) -> Callable[..., Any] | None:
-    """The runner of the pending rows for engine.data_parallel (None: one engine in this process)."""
-    dp = plan_data_parallel(spec)
-    if dp.workers == 1 and dp.gpus is None:
-        return None
-    return functools.partial(run_data_parallel, dp=dp)
+class DataParallelExecutor:
+    """The data-parallel executor: `dp.workers` engine processes fed by a Coordinator in this process.
 
-
-def run_data_parallel(
-    plan: Any,
-    pending: int,
-    t0: float,
-    progress: bool,
-    engine_factory: Callable[..., Any],
-    on_row: Callable[[Any], None] | None,
-    on_progress: Callable[[Any], None] | None,
-    on_step: Callable[[Any], None] | None,
-    on_commit: Callable[[Any], None] | None,
-    *,
-    dp: DataParallelPlan,
-) -> Any:
-    """The data-parallel counterpart of run._run_pending: same arguments, same RunSummary.
-
-    on_step is not called: engine steps happen in the workers. engine_factory must be importable by
-    name (it is sent to the spawned workers).
+    hooks.on_step is not called: engine steps happen in the workers. hooks.engine_factory must be
+    importable by name (it is sent to the spawned workers).
     """
-    import dataclasses
-    import sys
 
-    from batchinfer.io.writer import existing_schema, output_schema
-    from batchinfer.job.plan import pending_rows
-    from batchinfer.job.results import RESULT_NAMES, ResultConverter
-    from batchinfer.job.driver import Progress, progress_bar, summarize
+    name: ClassVar[str] = "data_parallel"
 
-    spec = plan.spec
-    out = plan.output_dir
-    log.info("%d of %d rows to do (%d already in %s) on %d engines", pending, plan.ids.num_rows,
-             plan.ids.num_rows - pending, out, dp.workers)
-    constraint = spec.structured.constraint() if spec.structured else None
-    converter = ResultConverter(spec, constraint)
-    columns = output_schema(plan.key_types, converter.output_type)
-    if plan.manifest.parts:  # resume output written before a column existed: keep the parts' schema
-        names = set(existing_schema(out, plan.manifest.parts[0].name).names)
-        columns = {k: v for k, v in columns.items() if k in names or k not in RESULT_NAMES}
-    needed = sorted(set([spec.input.id_column, *spec.output.keep_columns]) | set(template_columns(spec, plan.model_dir)))
-    stats = Progress()
-    bar = progress_bar(pending, progress and sys.stderr.isatty())
+    def __init__(self, dp: DataParallelPlan) -> None:
+        self.dp = dp
 
-    def on_record(rec: Any) -> None:
-        stats.rows += 1
-        stats.errors += rec.error is not None
-        stats.prompt_tokens += rec.prompt_tokens
-        stats.completion_tokens += rec.completion_tokens
-        bar.update(1)
-        if on_row is not None:
-            on_row(rec)
-        if on_progress is not None:
-            on_progress(stats)
+    @classmethod
+    def for_job(cls, spec: JobSpec) -> "DataParallelExecutor":
+        return cls(plan_data_parallel(spec))
 
-    tmp_rejects = out / f"{mf.TMP_PREFIX}{mf.REJECTS}"
-    try:
-        with open(tmp_rejects, "w", encoding="utf-8") as rf:
-            coord = Coordinator(plan, dp, columns, pending_rows(plan, needed), rf, engine_factory, on_record, on_commit)
-            outcome = coord.run()
-        tmp_rejects.replace(out / mf.REJECTS)
-    finally:
-        bar.close()
-    # rows of a dead worker that were finished but not committed were done again: count committed rows
-    stats.rows, stats.errors, stats.rejects = outcome.rows, outcome.errors, outcome.rejects
-    stats.prompt_tokens, stats.completion_tokens = outcome.prompt_tokens, outcome.completion_tokens
-    elapsed = time.perf_counter() - t0
-    s = summarize(plan, outcome.rejects, stats, max(0.0, elapsed - outcome.load_seconds))
-    return dataclasses.replace(s, load_seconds=outcome.load_seconds)
+    def run(self, plan: JobPlan, hooks: RunHooks) -> RunSummary:
+        spec = plan.spec
+        columns = output_columns(plan)
+        needed = read_columns(spec, template_columns(spec, plan.model_dir))
+        stats = Progress()
+        bar = progress_bar(plan.pending_count, hooks.progress_bar)
 
+        def on_record(rec: Any) -> None:
+            stats.add(rec)
+            bar.update(1)
+            if hooks.on_row is not None:
+                hooks.on_row(rec)
+            if hooks.on_progress is not None:
+                hooks.on_progress(stats)
 
-def template_columns(spec: JobSpec, model_dir: Path) -> list[str]:
-    """The row columns the prompt template reads (what the workers need of each row)."""
-    from batchinfer.models.loader import load_tokenizer
-    from batchinfer.job.prompts import PromptBuilder
-
-    return PromptBuilder(spec.prompt, load_tokenizer(model_dir)).columns
+        try:
+            with rejects_file(plan.output_dir) as rf:
+                coord = Coordinator(plan, self.dp, columns, pending_rows(plan, needed), rf, hooks.engine_factory, on_record,
+                                    hooks.on_commit)
+                outcome = coord.run()
+        finally:
+            bar.close()
+        # rows of a dead worker that were finished but not committed were done again: count committed rows
+        stats.rows, stats.errors, stats.rejects = outcome.rows, outcome.errors, outcome.rejects
+        stats.prompt_tokens, stats.completion_tokens = outcome.prompt_tokens, outcome.completion_tokens
+        elapsed = time.perf_counter() - hooks.started
+        return summarize(plan, outcome.rejects, stats, max(0.0, elapsed - outcome.load_seconds),
+                         load_seconds=outcome.load_seconds)
 
 
 def _close_pipes(w: Any) -> None:

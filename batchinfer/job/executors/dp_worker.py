@@ -1,4 +1,4 @@
-"""One data-parallel engine process: load the engine, take work units from the driver, commit parts.
+"""One data-parallel engine process: load the engine, take work units from the coordinator, commit parts.
 
 The process is started with the spawn method and CUDA_VISIBLE_DEVICES already set to its one GPU (by
 the driver, before the interpreter starts, so torch sees only that GPU). It speaks to the driver over
@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from batchinfer.job.executors.parts import WorkerPartWriter
+from batchinfer.job.spec import JobSpec, load_job
+from batchinfer.job.stage import RowStages, execute, row_stages
+from batchinfer.job.summary import Progress
 
 EXIT_ORPHANED = 3  # the driver went away
 
@@ -98,10 +101,6 @@ def worker_main(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> Non
 
 
 def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> None:
-    from batchinfer.job.spec import load_job
-    from batchinfer.job.requests import RequestBuilder
-    from batchinfer.job.results import ResultConverter
-
     spec = load_job(args.job, args.overrides)
     if args.threads:
         import torch
@@ -110,10 +109,7 @@ def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> None:
     t0 = time.perf_counter()
     engine = args.engine_factory(spec)
     reports.send(("ready", time.perf_counter() - t0))
-    constraint = spec.structured.constraint() if spec.structured else None
-    max_len = getattr(engine, "max_model_len", None) or spec.model.max_model_len or engine.model_info.max_position_embeddings
-    builder = RequestBuilder(spec, engine.tokenizer, max_len, constraint)
-    converter = ResultConverter(spec, constraint)
+    stages = row_stages(spec, engine)
 
     def next_number() -> int:
         with counter.get_lock():
@@ -128,16 +124,14 @@ def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> None:
             break
         if msg[0] == "drain":
             continue
-        if _session(msg, inbox, args, spec, engine, builder, converter, reports, next_number) == "stop":
+        if _session(msg, inbox, args, spec, engine, stages, reports, next_number) == "stop":
             break
     reports.send(("exit",))
 
 
-def _session(first: tuple, inbox: "queue.Queue[tuple]", args: WorkerArgs, spec: Any, engine: Any, builder: Any,
-             converter: Any, reports: Any, next_number: Callable[[], int]) -> str:
+def _session(first: tuple, inbox: "queue.Queue[tuple]", args: WorkerArgs, spec: JobSpec, engine: Any, stages: RowStages,
+             reports: Any, next_number: Callable[[], int]) -> str:
     """One request stream over units until "drain" (or "stop"); its rows all end in committed parts."""
-    from batchinfer.job.driver import Progress, execute
-
     outbox = _Outbox(reports, args.report_every_s)
     ended = ["drain"]
 
@@ -159,7 +153,7 @@ def _session(first: tuple, inbox: "queue.Queue[tuple]", args: WorkerArgs, spec: 
         ended[0] = msg[0]
 
     try:
-        execute(rows(), engine, builder, converter, writer, None, Progress(), on_row=outbox.add)
+        execute(rows(), engine, stages, writer, None, Progress(), on_row=outbox.add)
     except BaseException:
         writer.save_finished()  # the driver records what did finish; the rest is done on resume
         outbox.flush()

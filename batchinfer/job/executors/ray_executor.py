@@ -29,20 +29,25 @@ be able to read the inputs (it checks the ids before the run).
 
 from __future__ import annotations
 
-import functools
+import itertools
 import logging
 import os
 import pickle
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import pyarrow as pa
 
-from batchinfer.job.executors.parts import WorkerPartWriter, infer_types
 from batchinfer.io import manifest as mf
-from batchinfer.job.spec import JobError, JobSpec
+from batchinfer.io.readers import InputError, InputFile, Reject, Row, iter_jsonl, iter_parquet
+from batchinfer.job.executors.base import RunHooks
+from batchinfer.job.executors.parts import WorkerPartWriter, infer_types
+from batchinfer.job.plan import JobPlan, pending_rows
+from batchinfer.job.spec import JobError, JobSpec, load_job
+from batchinfer.job.stage import RunError, execute, output_columns, read_columns, reject_line, row_stages, template_columns
+from batchinfer.job.summary import Progress, RunSummary, progress_bar, summarize
 
 log = logging.getLogger(__name__)
 
@@ -61,31 +66,17 @@ def import_ray() -> Any:
     return ray
 
 
-def ray_runner(spec: JobSpec) -> Callable[..., Any]:
-    """The runner of the pending rows on Ray (same arguments as run._run_pending)."""
-    import_ray()
-    return functools.partial(run_ray)
-
-
 class EngineActor:
     """One engine on one Ray worker (one GPU): a batch of input rows in, the parts it committed out."""
 
     def __init__(self, job: dict[str, Any], folder: str, fingerprint: str, columns: dict[str, Any], finished: pa.Array,
                  counter: Any, engine_factory: Callable[..., Any], read_columns: list[str]) -> None:
-        from batchinfer.job.spec import load_job
-        from batchinfer.job.requests import RequestBuilder
-        from batchinfer.job.results import ResultConverter
-
         self.spec = load_job(job)
         self.folder, self.fingerprint, self.columns, self.counter = folder, fingerprint, columns, counter
         self.finished = finished
         self.read_columns = read_columns
         self.engine = engine_factory(self.spec)
-        constraint = self.spec.structured.constraint() if self.spec.structured else None
-        e = self.engine
-        max_len = getattr(e, "max_model_len", None) or self.spec.model.max_model_len or e.model_info.max_position_embeddings
-        self.builder = RequestBuilder(self.spec, e.tokenizer, max_len, constraint)
-        self.converter = ResultConverter(self.spec, constraint)
+        self.stages = row_stages(self.spec, self.engine)
 
     def _pending(self, batch: pa.Table) -> pa.Table:
         """The Parquet rows of a batch that have an id and are not finished (null ids are rejects: see _write_rejects)."""
@@ -100,8 +91,6 @@ class EngineActor:
     def _rows(self, batch: pa.Table) -> list[Any]:
         """The pending rows of a batch: its JSONL rows (pickled dicts), then its Parquet rows (columns)."""
         import pyarrow.compute as pc
-
-        from batchinfer.io.readers import Row
 
         rows: list[Any] = []
         if ROW_COLUMN in batch.column_names:  # a JSONL block, or one concatenated with a Parquet block
@@ -128,8 +117,6 @@ class EngineActor:
         return ray.get(self.counter.next.remote())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from batchinfer.job.driver import Progress, execute
-
         rows = self._rows(batch)
         parts: list[tuple[mf.PartInfo, list[str]]] = []
         records: list[Any] = []
@@ -139,7 +126,7 @@ class EngineActor:
             lambda part, ids: parts.append((part, ids)),
         )
         if rows:
-            execute(iter(rows), self.engine, self.builder, self.converter, writer, None, Progress(), on_row=records.append)
+            execute(iter(rows), self.engine, self.stages, writer, None, Progress(), on_row=records.append)
             writer.close()
         return pa.table({
             "part": pa.array([p.name for p, _ in parts], pa.string()),
@@ -177,9 +164,6 @@ def read_jsonl_files(batch: pa.Table, id_column: str, columns: list[str], batch_
     Each file's rejects go to file_rejects_path(out, index), written under a `.part` name and renamed when the
     file is done, so the driver only ever joins complete reject lists (a retried task rewrites its file).
     """
-    from batchinfer.io.readers import InputFile, Reject, iter_jsonl
-    from batchinfer.job.driver import reject_line
-
     keep = set(columns)
     for path, index in zip(batch.column("file").to_pylist(), batch.column("index").to_pylist()):
         final = file_rejects_path(Path(out), index)
@@ -228,8 +212,6 @@ def parquet_rejects(file: Any, id_column: str, batch_size: int, columns: list[st
     """
     import pyarrow.parquet as pq
 
-    from batchinfer.io.readers import InputError, Reject, iter_parquet
-
     try:
         if pq.ParquetFile(file.path).read(columns=[id_column]).column(id_column).null_count == 0:
             return
@@ -239,10 +221,8 @@ def parquet_rejects(file: Any, id_column: str, batch_size: int, columns: list[st
         yield from (r for r in items if isinstance(r, Reject))
 
 
-def _write_rejects(plan: Any, columns: list[str]) -> int:
+def _write_rejects(plan: JobPlan, columns: list[str]) -> int:
     """Join every input file's rejects, in input order, into `_rejects.jsonl` (as a local run writes it); their count."""
-    from batchinfer.job.driver import RunError, reject_line
-
     out, spec = plan.output_dir, plan.spec
     tmp = out / f"{mf.TMP_PREFIX}{mf.REJECTS}"
     n = 0
@@ -276,7 +256,7 @@ def num_actors(ray: Any, spec: JobSpec) -> tuple[int, int]:
     return n, 1 if gpus else 0
 
 
-def _engine_stage(ray: Any, plan: Any, needed: list[str], columns: dict[str, Any], engine_factory: Callable[..., Any],
+def _engine_stage(ray: Any, plan: JobPlan, needed: list[str], columns: dict[str, Any], engine_factory: Callable[..., Any],
                   actors: int, gpus: int) -> tuple[Any, Any]:
     """(dataset, part counter): read the inputs, then the engine actors (their output: the committed parts)."""
     spec, out = plan.spec, plan.output_dir
@@ -302,81 +282,61 @@ def _engine_stage(ray: Any, plan: Any, needed: list[str], columns: dict[str, Any
     return ds, counter
 
 
-def run_ray(
-    plan: Any,
-    pending: int,
-    t0: float,
-    progress: bool,
-    engine_factory: Callable[..., Any],
-    on_row: Callable[[Any], None] | None,
-    on_progress: Callable[[Any], None] | None,
-    on_step: Callable[[Any], None] | None,
-    on_commit: Callable[[Any], None] | None,
-) -> Any:
-    """The Ray counterpart of run._run_pending (on_step is not called: steps happen in the actors)."""
-    import dataclasses
-    import itertools
-    import sys
+class RayExecutor:
+    """The Ray executor: engine.data_parallel EngineActors on a Ray cluster (see the module docstring).
 
-    from batchinfer.job.executors.data_parallel import template_columns
-    from batchinfer.io.readers import Row
-    from batchinfer.io.writer import existing_schema, output_schema
-    from batchinfer.job.plan import pending_rows
-    from batchinfer.job.results import RESULT_NAMES, ResultConverter
-    from batchinfer.job.driver import Progress, RunError, progress_bar, summarize
+    hooks.on_step is not called: engine steps happen in the actors.
+    """
 
-    ray = import_ray()
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
-    spec = plan.spec
-    out = plan.output_dir
-    actors, gpus = num_actors(ray, spec)
-    log.info("%d of %d rows to do (%d already in %s) on %d Ray engine actor(s)", pending, plan.ids.num_rows,
-             plan.ids.num_rows - pending, out, actors)
-    constraint = spec.structured.constraint() if spec.structured else None
-    converter = ResultConverter(spec, constraint)
-    columns = output_schema(plan.key_types, converter.output_type)
-    if plan.manifest.parts:  # resume output written before a column existed: keep the parts' schema
-        names = set(existing_schema(out, plan.manifest.parts[0].name).names)
-        columns = {k: v for k, v in columns.items() if k in names or k not in RESULT_NAMES}
-    needed = sorted(set([spec.input.id_column, *spec.output.keep_columns]) | set(template_columns(spec, plan.model_dir)))
-    head = [r.values for r in itertools.islice((r for r in pending_rows(plan, needed) if isinstance(r, Row)), 256)]
-    columns = infer_types(columns, head)  # every actor writes the same schema
-    with warnings.catch_warnings():  # the max_restarts/max_task_retries remote args below, on purpose
-        warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
-        ds, counter = _engine_stage(ray, plan, needed, columns, engine_factory, actors, gpus)
-    stats = Progress()
-    bar = progress_bar(pending, progress and sys.stderr.isatty())
-    known = {p.name for p in plan.manifest.parts}
-    committed = errors = 0
-    started = time.perf_counter()
-    try:
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            for name, rows, errs, blob in zip(*(batch.column(c).to_pylist() for c in ("part", "rows", "errors", "records"))):
-                for rec in pickle.loads(blob) if blob else ():
-                    stats.rows += 1
-                    stats.errors += rec.error is not None
-                    stats.prompt_tokens += rec.prompt_tokens
-                    stats.completion_tokens += rec.completion_tokens
-                    if on_row is not None:
-                        on_row(rec)
-                    if on_progress is not None:
-                        on_progress(stats)
-                if name in known:
-                    continue
-                part = mf.PartInfo(name, rows, errs)
-                known.add(name)
-                plan.manifest.add_part(part)
-                committed, errors = committed + rows, errors + errs
-                bar.update(rows)
-                if on_commit is not None:
-                    on_commit(part)
-    except Exception as e:
-        raise RunError(f"the Ray run failed ({type(e).__name__}: {e}); run again to resume") from e
-    finally:
-        bar.close()
-        ray.kill(counter)
-    stats.rows, stats.errors = committed, errors
-    stats.rejects = _write_rejects(plan, needed)
-    s = summarize(plan, stats.rejects, stats, time.perf_counter() - started)
-    return dataclasses.replace(s, load_seconds=started - t0)
+    name: ClassVar[str] = "ray"
+
+    @classmethod
+    def for_job(cls, spec: JobSpec) -> "RayExecutor":
+        import_ray()  # a missing Ray is the user's error, before anything is planned
+        return cls()
+
+    def run(self, plan: JobPlan, hooks: RunHooks) -> RunSummary:
+        ray = import_ray()
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
+        spec = plan.spec
+        actors, gpus = num_actors(ray, spec)
+        log.info("%d Ray engine actor(s)", actors)
+        columns = output_columns(plan)
+        needed = read_columns(spec, template_columns(spec, plan.model_dir))
+        head = [r.values for r in itertools.islice((r for r in pending_rows(plan, needed) if isinstance(r, Row)), 256)]
+        columns = infer_types(columns, head)  # every actor writes the same schema
+        with warnings.catch_warnings():  # the max_restarts/max_task_retries remote args below, on purpose
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
+            ds, counter = _engine_stage(ray, plan, needed, columns, hooks.engine_factory, actors, gpus)
+        stats = Progress()
+        bar = progress_bar(plan.pending_count, hooks.progress_bar)
+        known = {p.name for p in plan.manifest.parts}
+        committed = errors = 0
+        started = time.perf_counter()
+        try:
+            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                for name, rows, errs, blob in zip(*(batch.column(c).to_pylist() for c in ("part", "rows", "errors", "records"))):
+                    for rec in pickle.loads(blob) if blob else ():
+                        stats.add(rec)
+                        if hooks.on_row is not None:
+                            hooks.on_row(rec)
+                        if hooks.on_progress is not None:
+                            hooks.on_progress(stats)
+                    if name in known:
+                        continue
+                    part = mf.PartInfo(name, rows, errs)
+                    known.add(name)
+                    plan.manifest.add_part(part)
+                    committed, errors = committed + rows, errors + errs
+                    bar.update(rows)
+                    if hooks.on_commit is not None:
+                        hooks.on_commit(part)
+        except Exception as e:
+            raise RunError(f"the Ray run failed ({type(e).__name__}: {e}); run again to resume") from e
+        finally:
+            bar.close()
+            ray.kill(counter)
+        stats.rows, stats.errors = committed, errors
+        stats.rejects = _write_rejects(plan, needed)
+        return summarize(plan, stats.rejects, stats, time.perf_counter() - started, load_seconds=started - hooks.started)

@@ -1,0 +1,46 @@
+"""The executor interface: `Executor.run(plan, hooks) -> RunSummary` runs a job's pending rows somewhere."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
+
+from batchinfer.io.manifest import PartInfo
+from batchinfer.job.plan import JobPlan
+from batchinfer.job.summary import Progress, RowRecord, RunSummary
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """What the driver hands an executor besides the plan.
+
+    engine_factory(spec, on_step=None) -> engine; executors that start engines in other processes send
+    it there, so it must be importable by name. on_row gets a RowRecord per finished row, on_progress
+    the running counters, on_step the engine's per-step stats (only where the engine runs in this
+    process), on_commit each part once it is committed and in the manifest. progress_bar: show a bar on
+    a terminal. started: when the run started (the summary's load_seconds counts from it).
+    """
+
+    engine_factory: Callable[..., Any]
+    on_row: Callable[[RowRecord], None] | None = None
+    on_progress: Callable[[Progress], None] | None = None
+    on_step: Callable[[Any], None] | None = None
+    on_commit: Callable[[PartInfo], None] | None = None
+    progress_bar: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs the pending rows of a plan (plan.pending_count > 0) and returns the run's summary.
+
+    Contract: every pending row ends in exactly one committed part recorded in plan.manifest (the
+    plan's process is its only writer), input lines without a usable id go to `_rejects.jsonl`, and
+    a failure raises (RunError, or the engine's own exception) after committing what did finish, so
+    that running the job again resumes.
+    """
+
+    name: ClassVar[str]
+
+    def run(self, plan: JobPlan, hooks: RunHooks) -> RunSummary: ...

@@ -1,0 +1,175 @@
+"""Stage 5 with one engine: pending rows -> requests -> engine -> output rows -> part writer; and its setup.
+
+Every executor builds its stages here, the same way: `row_stages` (the request builder and result
+converter for one engine), `output_columns` (the output schema, the committed parts' on a resume),
+`read_columns` (what the job reads of a row), then runs `execute` over its rows with its own writer.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from batchinfer.engine.request import Request
+from batchinfer.io import manifest as mf
+from batchinfer.io.readers import Reject, Row
+from batchinfer.io.writer import PartWriter, existing_schema, output_schema
+from batchinfer.job.plan import JobPlan
+from batchinfer.job.prompts import PromptBuilder, RowError
+from batchinfer.job.requests import RequestBuilder, RowMeta
+from batchinfer.job.results import RESULT_NAMES, ResultConverter
+from batchinfer.job.spec import JobSpec
+from batchinfer.job.summary import Progress, RowRecord
+
+
+class RunError(RuntimeError):
+    """The run itself failed (engine crash, disk full, every worker gone): exit code 1."""
+
+
+def make_engine(spec: JobSpec, on_step: Callable[[Any], None] | None = None):
+    """The default engine factory: batchinfer's Engine for the job's engine config."""
+    from batchinfer.engine.engine import Engine
+
+    return Engine(spec.engine_config(), on_step=on_step)
+
+
+# ---- setup ---------------------------------------------------------------------------------------
+
+
+def constraint_of(spec: JobSpec) -> Any:
+    """The job's grammar Constraint, or None for a job without `structured`."""
+    return spec.structured.constraint() if spec.structured is not None else None
+
+
+def max_model_len(spec: JobSpec, engine: Any) -> int:
+    """The longest prompt + output the engine takes: its own limit, else the job's, else the model's."""
+    return getattr(engine, "max_model_len", None) or spec.model.max_model_len or engine.model_info.max_position_embeddings
+
+
+@dataclass(frozen=True)
+class RowStages:
+    """Stages 3 and 4 for one engine: rows to requests, results to output rows."""
+
+    builder: RequestBuilder
+    converter: ResultConverter
+
+    @property
+    def read_columns(self) -> list[str]:
+        """The input columns these stages read of a row."""
+        return read_columns(self.builder.spec, self.builder.prompts.columns)
+
+
+def row_stages(spec: JobSpec, engine: Any) -> RowStages:
+    """The request builder (the engine's tokenizer and length limit) and result converter of a job."""
+    constraint = constraint_of(spec)
+    builder = RequestBuilder(spec, engine.tokenizer, max_model_len(spec, engine), constraint)
+    return RowStages(builder, ResultConverter(spec, constraint))
+
+
+def read_columns(spec: JobSpec, template_columns: Iterable[str]) -> list[str]:
+    """The input columns a job reads: its id, the kept columns and those its prompt template reads."""
+    return sorted({spec.input.id_column, *spec.output.keep_columns, *template_columns})
+
+
+def template_columns(spec: JobSpec, model_dir: Path) -> list[str]:
+    """The row columns the prompt template reads, without an engine (loads only the tokenizer)."""
+    from batchinfer.models.loader import load_tokenizer
+
+    return PromptBuilder(spec.prompt, load_tokenizer(model_dir)).columns
+
+
+def output_columns(plan: JobPlan) -> dict[str, Any]:
+    """The output column types (None: inferred from the first part); on a resume, only the committed parts' columns.
+
+    Output written before a column existed keeps its schema: every part of a folder has the same columns.
+    """
+    converter = ResultConverter(plan.spec, constraint_of(plan.spec))
+    columns = output_schema(plan.key_types, converter.output_type)
+    if plan.manifest.parts:
+        names = set(existing_schema(plan.output_dir, plan.manifest.parts[0].name).names)
+        columns = {k: v for k, v in columns.items() if k in names or k not in RESULT_NAMES}
+    return columns
+
+
+# ---- rejects ---------------------------------------------------------------------------------------
+
+
+def reject_line(r: Reject) -> str:
+    """One line of `_rejects.jsonl`: the input line that has no usable id, where it is, and why."""
+    return json.dumps({"file": r.file, "line": r.line, "text": r.text, "reason": r.reason}, ensure_ascii=False)
+
+
+@contextmanager
+def rejects_file(out: Path) -> Iterator[Any]:
+    """`_rejects.jsonl` of a run, written under a temp name and put in place when the block ends without error."""
+    tmp = Path(out) / f"{mf.TMP_PREFIX}{mf.REJECTS}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yield f
+    tmp.replace(Path(out) / mf.REJECTS)
+
+
+# ---- execute -----------------------------------------------------------------------------------------
+
+
+def execute(
+    items: Iterable[Row | Reject],
+    engine: Any,
+    stages: RowStages,
+    writer: PartWriter,
+    rejects: Any,
+    progress: Progress,
+    on_row: Callable[[RowRecord], None] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> None:
+    """Feed rows to the engine lazily; write each result as it finishes (rejects to `rejects`, a text file).
+
+    Rows that fail before the engine (template, length) are written straight away, from inside the
+    request generator (same thread), so memory stays bounded even for a long run of bad rows.
+    Raises RunError when the engine ends without a result for every request.
+    """
+    builder, converter = stages.builder, stages.converter
+    key = builder.key_names[0]
+    inflight: dict[str, RowMeta] = {}
+
+    def finish(row: dict[str, Any], record: RowRecord) -> None:
+        if on_row:  # before writer.add: a part committed by it then has its rows' records flushed with it
+            on_row(record)
+        writer.add(row)
+        progress.add(record)
+        if on_progress:
+            on_progress(progress)
+
+    def requests() -> Iterator[Request]:
+        n = 0
+        for item in items:
+            if isinstance(item, Reject):
+                rejects.write(reject_line(item) + "\n")
+                progress.rejects += 1
+                continue
+            meta = RowMeta(builder.keys(item), item.file, item.line)
+            rid = str(n)
+            n += 1
+            try:
+                req = builder.build(item, rid)
+            except RowError as e:
+                msg = f"{e} ({Path(item.file).name} line {item.line})"
+                finish(converter.error_row(meta, msg), RowRecord(meta.keys[key], "error", 0, 0, error=msg))
+                continue
+            inflight[rid] = meta
+            yield req
+
+    for result in engine.generate(requests()):
+        meta = inflight.pop(result.request_id)
+        row = converter.row(meta, result)
+        record = RowRecord(
+            meta.keys[key], row["finish_reason"], result.prompt_tokens, result.completion_tokens,
+            result.times, result.num_preemptions, row["error"], result,
+        )
+        finish(row, record)
+        writer.maybe_flush()
+    if inflight:
+        raise RunError(f"the engine ended without results for {len(inflight)} request(s)")
+

@@ -1,0 +1,124 @@
+"""What a run reports: one RowRecord per finished row, the running Progress (and its bar), the RunSummary."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchinfer.engine.request import Result
+from batchinfer.io import manifest as mf
+
+if TYPE_CHECKING:
+    from batchinfer.job.plan import JobPlan
+
+
+@dataclass(frozen=True)
+class RowRecord:
+    """Per-row timing record (for metrics): what happened to one row in the engine."""
+
+    row_id: Any
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    times: Any = None  # engine RequestTimes, or None for rows that never reached the engine
+    num_preemptions: int = 0
+    error: str | None = None  # the output row's error (also set when the answer failed validation)
+    result: Result | None = None  # the engine's Result, None for rows that never reached it
+
+
+@dataclass
+class Progress:
+    """Counters of the running job; `on_progress` callbacks see this after every finished row."""
+
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rejects: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, record: RowRecord) -> None:
+        """Count one finished row."""
+        self.rows += 1
+        self.errors += record.error is not None
+        self.prompt_tokens += record.prompt_tokens
+        self.completion_tokens += record.completion_tokens
+
+
+def progress_bar(total: int, wanted: bool):
+    """A tqdm bar of rows on stderr; shown only when wanted and stderr is a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="row", disable=not (wanted and sys.stderr.isatty()), dynamic_ncols=True, file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run did. Totals cover the whole job's output folder (all runs), `this_run_*` this run."""
+
+    output_path: str
+    input_rows: int  # rows with an id, over all input files
+    rows_done: int  # rows committed in the output (all runs)
+    error_rows: int  # of those, rows with an error (all runs)
+    rejects: int  # input lines with no usable id (see _rejects.jsonl)
+    this_run_rows: int = 0
+    this_run_errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0  # generation: from the engine being ready to the last part committed
+    load_seconds: float = 0.0  # loading the engine (model, KV cache)
+    nothing_to_do: bool = False
+    recovered_parts: int = 0
+    report_path: str | None = None  # the run's `_report.html`, when one was written
+
+    @property
+    def error_rate(self) -> float:
+        total = self.rows_done + self.rejects
+        return (self.error_rows + self.rejects) / total if total else 0.0
+
+    def describe(self) -> str:
+        if self.nothing_to_do:
+            head = f"nothing to do: all {self.rows_done} rows are already in {self.output_path}"
+        else:
+            rate = (self.prompt_tokens + self.completion_tokens) / self.seconds if self.seconds else 0.0
+            head = (
+                f"done: {self.this_run_rows} rows in {self.seconds:.1f}s after {self.load_seconds:.1f}s loading "
+                f"({self.this_run_rows / self.seconds if self.seconds else 0:.1f} rows/s, {rate:.0f} tokens/s; "
+                f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens) -> {self.output_path}"
+            )
+        tail = f"\noutput holds {self.rows_done} of {self.input_rows} rows; {self.error_rows} with errors"
+        if self.rejects:
+            tail += f"; {self.rejects} input lines rejected (see {Path(self.output_path) / mf.REJECTS})"
+        if self.report_path:
+            tail += f"\nreport: {self.report_path}"
+        return head + tail
+
+
+def summarize(
+    plan: "JobPlan",
+    rejects: int,
+    stats: Progress,
+    seconds: float,
+    nothing_to_do: bool = False,
+    load_seconds: float = 0.0,
+) -> RunSummary:
+    """The RunSummary of a run: the output folder's totals (from the manifest) and this run's counters."""
+    m = plan.manifest
+    return RunSummary(
+        output_path=str(plan.output_dir),
+        input_rows=plan.ids.num_rows,
+        rows_done=sum(p.rows for p in m.parts),
+        error_rows=sum(p.errors for p in m.parts),
+        rejects=rejects,
+        this_run_rows=stats.rows,
+        this_run_errors=stats.errors,
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        seconds=seconds,
+        load_seconds=load_seconds,
+        nothing_to_do=nothing_to_do,
+        recovered_parts=plan.recovered,
+    )

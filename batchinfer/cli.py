@@ -166,6 +166,7 @@ def report(
 @app.command()
 def validate(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     """Check a job without running it: the spec, the model folder, the template on the first rows, the schema."""
+    from batchinfer.job.plan import check_schema
     from batchinfer.job.prompts import PromptBuilder, RowError
 
     _setup_logging(True)
@@ -183,10 +184,7 @@ def validate(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
             from batchinfer.job.spec import JobError
 
             raise JobError("prompt.template fails on every sampled row:\n  " + "\n  ".join(failures))
-        if spec.structured is not None:
-            from batchinfer.structured.compiler import check_constraint
-
-            check_constraint(spec.structured.constraint(), tokenizer, info.vocab_size, spec.structured.backend)
+        check_schema(spec, tokenizer, info.vocab_size)
     except _user_errors() as e:
         raise _fail(str(e), EXIT_INVALID) from None
     typer.echo(f"job ok: {job}")
@@ -198,7 +196,7 @@ def validate(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     if rejects:
         typer.echo(f"  warning: {rejects} of the first lines have no usable id (they will be rejected)")
     if spec.structured is not None:
-        typer.echo(f"  constraint compiles ({spec.structured.backend} backend)")
+        typer.echo(f"  constraint compiles ({spec.grammar_backend} backend)")
 
 
 @app.command()

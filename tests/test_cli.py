@@ -113,6 +113,25 @@ def test_validate_refuses_a_bad_schema(job_file):
     assert r.exit_code == 2 and "Traceback" not in r.output
 
 
+# llguidance refuses `not`; auto compiles it with another backend (tests/test_structured.py)
+NOT_SCHEMA = '{"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]}'
+
+
+def test_validate_compiles_with_the_backend_the_engine_uses(job_file, tmp_path):
+    """One grammar backend setting: a schema the job's backend cannot compile fails at validate and before
+    the run's engine (exit 2, no output rows), whether set as structured.backend or the old engine.grammar_backend."""
+    schema = ("--set", f"structured.json_schema={NOT_SCHEMA}")
+    r = invoke("validate", job_file, *schema)
+    assert r.exit_code == 0 and "constraint compiles (auto backend)" in r.output, r.output
+    for key in ("structured.backend", "engine.grammar_backend"):
+        r = invoke("validate", job_file, *schema, "--set", f"{key}=llguidance")
+        assert r.exit_code == 2, (key, r.output)
+        assert "llguidance" in r.output and "not" in r.output and "Traceback" not in r.output
+        r = invoke("run", job_file, *schema, "--set", f"{key}=llguidance", "--set", f"output.path={tmp_path / key}", "-q")
+        assert r.exit_code == 2 and "llguidance" in r.output, (key, r.output)
+        assert not list((tmp_path / key).glob("*.parquet"))
+
+
 def test_quickstart_job_validates(tiny_model, tmp_path):
     r = invoke("validate", ROOT / "jobs" / "quickstart.yaml", "--set", f"model.path={tiny_model}", "--set", f"output.path={tmp_path / 'q'}")
     assert r.exit_code == 0, r.output

@@ -66,7 +66,7 @@ def fingerprint_components(spec: JobSpec, model_dir: Path) -> dict[str, Any]:
     structured = None
     if s is not None:
         c = s.constraint()
-        structured = {"kind": c.kind, "value": c.value, "whitespace": c.whitespace, "backend": s.backend}
+        structured = {"kind": c.kind, "value": c.value, "whitespace": c.whitespace, "backend": spec.grammar_backend}
     return {
         "model": {"files": model_components(model_dir), "dtype": spec.model.dtype, "max_model_len": spec.model.max_model_len},
         "prompt": spec.prompt.model_dump(mode="json"),
@@ -76,14 +76,22 @@ def fingerprint_components(spec: JobSpec, model_dir: Path) -> dict[str, Any]:
     }
 
 
-def check_schema(spec: JobSpec, model_dir: Path) -> None:
-    """Refuse a constraint no grammar backend compiles before the engine loads (raises GrammarError)."""
-    from batchinfer.models.loader import load_model_info, load_tokenizer
+def check_schema(spec: JobSpec, tokenizer: Any, vocab_size: int) -> None:
+    """Refuse a constraint the job's grammar backend cannot compile, before the engine loads (raises GrammarError).
+
+    The backend is spec.grammar_backend (structured.backend), the one the engine then uses.
+    """
     from batchinfer.structured.compiler import check_constraint
 
-    assert spec.structured is not None
+    if spec.structured is not None:
+        check_constraint(spec.structured.constraint(), tokenizer, vocab_size, spec.grammar_backend)
+
+
+def _check_schema_of_model(spec: JobSpec, model_dir: Path) -> None:
+    from batchinfer.models.loader import load_model_info, load_tokenizer
+
     info = load_model_info(str(model_dir), spec.model.dtype)
-    check_constraint(spec.structured.constraint(), load_tokenizer(model_dir), info.vocab_size, spec.structured.backend)
+    check_schema(spec, load_tokenizer(model_dir), info.vocab_size)
 
 
 def resolve_model(spec: JobSpec) -> Path:
@@ -125,7 +133,7 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     ids = check_ids(files, spec.input.id_column)
     types = key_types(spec, files)
     if spec.structured is not None:
-        check_schema(spec, model_dir)
+        _check_schema_of_model(spec, model_dir)
     components = fingerprint_components(spec, model_dir)
     fp = mf.fingerprint_of(components)
     hashes = mf.component_hashes(components)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,8 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.request import SamplingParams
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "job.schema.json"
+
+log = logging.getLogger(__name__)
 
 
 class JobError(ValueError):
@@ -118,7 +121,9 @@ class StructuredSpec(BaseModel):
     json_schema: str | dict[str, Any] | None = Field(None, description="a path to a JSON Schema file, or the schema inline")
     regex: str | None = None
     choice: tuple[str, ...] | None = None
-    backend: Literal["auto", "xgrammar", "llguidance", "outlines"] = "auto"
+    backend: Literal["auto", "xgrammar", "llguidance", "outlines"] = Field(
+        "auto", description="the grammar backend that compiles and enforces the constraint (validate, plan and the engine)"
+    )
     whitespace: Literal["compact", "flexible"] = "compact"
 
     @field_validator("json_schema")
@@ -166,12 +171,17 @@ class StructuredSpec(BaseModel):
         return Constraint.json_schema(self.schema_dict(), whitespace=self.whitespace)
 
 
+# EngineConfig fields a job sets elsewhere: model.path, model.dtype, model.max_model_len, structured.backend.
+ENGINE_FIELDS_ELSEWHERE = {"model": "model.path", "dtype": "model.dtype", "max_model_len": "model.max_model_len",
+                           "grammar_backend": "structured.backend"}
+
+
 def _engine_spec_model() -> type[BaseModel]:
-    """EngineSpec mirrors every EngineConfig field except model, dtype and max_model_len (in `model`)."""
+    """EngineSpec mirrors every EngineConfig field except those set elsewhere in the job (ENGINE_FIELDS_ELSEWHERE)."""
     hints = typing.get_type_hints(EngineConfig)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(EngineConfig):
-        if f.name in ("model", "dtype", "max_model_len"):
+        if f.name in ENGINE_FIELDS_ELSEWHERE:
             continue
         fields[f.name] = (hints[f.name], f.default)
     # Not an EngineConfig field (that is one engine): how many engines run the job, one per GPU.
@@ -203,17 +213,55 @@ class JobSpec(BaseModel):
     def _model_shorthand(cls, v: Any) -> Any:
         return {"path": v} if isinstance(v, str) else v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _grammar_backend_alias(cls, data: Any) -> Any:
+        """engine.grammar_backend (deprecated) is structured.backend: moved there; both given and different is an error."""
+        if not isinstance(data, dict) or not isinstance(data.get("engine"), dict) or "grammar_backend" not in data["engine"]:
+            return data
+        data = dict(data)
+        engine = dict(data["engine"])
+        value = engine.pop("grammar_backend")
+        data["engine"] = engine
+        backends = typing.get_args(StructuredSpec.model_fields["backend"].annotation)
+        if value is not None and value not in backends:
+            raise ValueError(f"engine.grammar_backend (deprecated: use structured.backend) must be one of "
+                             f"{', '.join(backends)}, not {value!r}")
+        structured = data.get("structured")
+        if not isinstance(structured, dict):
+            if value not in (None, "auto"):
+                log.warning("engine.grammar_backend is deprecated and ignored here: the job has no `structured` section")
+            return data
+        given = structured.get("backend", "auto")
+        if value in (None, "auto") or value == given:
+            log.warning("engine.grammar_backend is deprecated: use structured.backend")
+            return data
+        if given != "auto":
+            raise ValueError(
+                f"engine.grammar_backend (deprecated) is {value!r} but structured.backend is {given!r}; "
+                "set only structured.backend"
+            )
+        log.warning("engine.grammar_backend is deprecated: use structured.backend (taken as structured.backend: %s)", value)
+        data["structured"] = {**structured, "backend": value}
+        return data
+
     @model_validator(mode="after")
     def _engine_ok(self) -> "JobSpec":
         self.engine_config()
         return self
 
+    @property
+    def grammar_backend(self) -> str:
+        """The one grammar backend setting (structured.backend): what validate, plan and the engine use."""
+        return self.structured.backend if self.structured is not None else "auto"
+
     def engine_config(self) -> EngineConfig:
-        """The engine's config; structured.backend picks the grammar backend unless engine.grammar_backend does."""
+        """The engine's config: the `engine` section, with model.* and structured.backend filled in."""
         fields = self.engine.model_dump(exclude={"data_parallel"})
-        if self.structured is not None and self.structured.backend != "auto" and fields.get("grammar_backend") == "auto":
-            fields["grammar_backend"] = self.structured.backend
-        return EngineConfig(model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len, **fields)
+        return EngineConfig(
+            model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
+            grammar_backend=self.grammar_backend, **fields,
+        )
 
 
 def job_json_schema() -> dict[str, Any]:
@@ -300,7 +348,10 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"missing required key '{where}'")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{where}: {msg} (got {e.get('input')!r})" if e["type"] != "value_error" else f"{where}: {msg}")
+            if e["type"] != "value_error":
+                lines.append(f"{where}: {msg} (got {e.get('input')!r})")
+            else:  # a check across fields names them in its message
+                lines.append(f"{where}: {msg}" if loc else msg)
     seen = list(dict.fromkeys(lines))
     return f"invalid job {source}:\n  " + "\n  ".join(seen)
 

@@ -22,9 +22,9 @@ import polars as pl
 
 import batchinfer
 from batchinfer.bench.shapes import write_shape
-from batchinfer.job.executors.data_parallel import sigkill_workers_after
 from batchinfer.io.manifest import MANIFEST
 from batchinfer.job import RunError
+from batchinfer.job.executors.data_parallel import sigkill_workers_after
 
 WORDS = "invoice total amount due date customer order shipping payment account balance report".split()
 SCHEMA = {

@@ -152,3 +152,20 @@ def test_python_api_accepts_a_dict(job_file, tmp_path):
     job["output"]["path"] = str(tmp_path / "api-out")
     s = batchinfer.run(job)
     assert s.rows_done == 7 and s.error_rows == 1 and s.error_rate == pytest.approx(1 / 7)
+    # the same job as a JobSpec and as a YAML path: already done
+    from batchinfer.job import load_job
+
+    assert batchinfer.run(load_job(job)).nothing_to_do
+    path = tmp_path / "api.yaml"
+    path.write_text(yaml.safe_dump(job))
+    assert batchinfer.run(path, ["sampling.max_tokens=3"]).nothing_to_do
+
+
+def test_import_batchinfer_is_cheap_and_run_is_a_function():
+    import subprocess
+    import sys
+
+    code = ("import sys, types, batchinfer; assert isinstance(batchinfer.run, types.FunctionType); "
+            "loaded = [m for m in sys.modules if m.startswith('batchinfer.')]; assert not loaded, loaded")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -1,5 +1,4 @@
-"""Stages 1 and 2 of a job: plan the inputs (files, ids, output folder, fingerprint) and stream the
-rows not yet in the output.
+"""Stages 1 and 2 of a job: plan the inputs (files, ids, schema, output folder) and stream the rows not yet done.
 
 Exactly-once resume: see batchinfer/io/manifest.py for the commit protocol. The finished ids come from
 the committed parts; a row whose id is among them is skipped when the input is read again.

@@ -1,4 +1,4 @@
-"""`batchinfer run JOB.yaml --executor ray`: the same job on a Ray cluster, through Ray Data.
+"""The Ray executor (`--executor ray`): the same job on a Ray cluster, through Ray Data.
 
 The driver (the `batchinfer run` process) plans as always: it takes the output lock, recovers parts,
 and knows the finished ids. Ray Data reads the input files (`read_parquet` / `read_json`), and a pool

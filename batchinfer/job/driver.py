@@ -61,11 +61,11 @@ def run_job(
     """
     spec = load_job(job, overrides)
     observe = observe_options(spec, metrics_port, metrics_textfile, log_token_ids, trace_dir, report)
-    runner = executor_for(executor, spec)
+    chosen = executor_for(executor, spec)  # an unknown name, or no Ray, is refused before planning
     plan = plan_inputs(spec, overwrite=overwrite)
     try:
         hooks = RunHooks(engine_factory, on_row, on_progress, on_step, progress_bar=progress)
-        return _run_plan(plan, runner, hooks, observe)
+        return _run_plan(plan, chosen, hooks, observe)
     finally:
         plan.close()
 

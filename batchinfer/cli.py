@@ -248,8 +248,11 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
         f"  whole job at once: {_gib(per_token * (total_prompt + n * max_tokens))}; "
         f"{spec.engine.max_num_seqs} sequences at once: {_gib(per_token * concurrent * (mean_prompt + max_tokens))}",
     ]
+    device = torch.device(_device(spec.engine.device))
+    capacity = _kv_capacity_tokens(spec.engine_config(), info, device)
+    lines.append(f"  the engine's KV cache on {device.type}: about {capacity} tokens ({_gib(capacity * per_token)})")
     if n:
-        lines += _time_estimate(spec, info, prompt_lens, per_token, dtype_bytes)
+        lines += _time_estimate(spec, info, prompt_lens, per_token, dtype_bytes, device, capacity)
     typer.echo("\n".join(lines))
 
 
@@ -257,29 +260,20 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:.3f} GiB"
 
 
-def _time_estimate(spec: Any, info: Any, prompt_lens: list[int], per_token: int, dtype_bytes: int) -> list[str]:
+def _time_estimate(
+    spec: Any, info: Any, prompt_lens: list[int], per_token: int, dtype_bytes: int, device: Any, capacity: int
+) -> list[str]:
     """Roofline floor on ceilings measured on the detected device; assumes every row writes max_tokens."""
-    import torch
-
     from batchinfer.bench.roofline import measure_ceilings, workload_floor
 
-    device = torch.device(_device(spec.engine.device))
     ceilings = measure_ceilings(device, info.dtype)
     embed = info.vocab_size * info.hidden_size
-    if spec.engine.num_kv_blocks:
-        capacity = spec.engine.num_kv_blocks * spec.engine.block_size
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        capacity = int((free * spec.engine.kv_cache_memory_fraction - info.num_params * dtype_bytes) // per_token)
-    else:
-        capacity = int(spec.engine.kv_cache_gib * 2**30 // per_token)
-    capacity = max(capacity, 1)
     floor = workload_floor(
         prompt_lens, [spec.sampling.max_tokens] * len(prompt_lens),
         num_layers=info.num_layers, hidden_size=info.hidden_size, num_heads=info.num_heads,
         num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, vocab_size=info.vocab_size,
         layer_params=max(info.num_params - 2 * embed, 1), weight_bytes=info.num_params * dtype_bytes,
-        dtype_bytes=dtype_bytes, kv_capacity_tokens=min(capacity, spec.engine.max_num_seqs * 10**9), ceilings=ceilings,
+        dtype_bytes=dtype_bytes, kv_capacity_tokens=capacity, ceilings=ceilings,
     )
     return [
         f"time on {ceilings.device}: at least {_dur(floor.floor_s)} ({floor.bound}-bound roofline floor; "
@@ -288,6 +282,26 @@ def _time_estimate(spec: Any, info: Any, prompt_lens: list[int], per_token: int,
         f"({ceilings.copy_bytes_per_s / 1e9:.0f} GB/s copy, {ceilings.matmul_flops_per_s / 1e12:.2f} TFLOP/s matmul); "
         "a real engine reaches 25-50% of the floor's speed; per-step host overhead (which dominates tiny models) is not counted",
     ]
+
+
+def _kv_capacity_tokens(config: Any, info: Any, device: Any) -> int:
+    """Tokens the engine's KV cache would hold (engine/kv_budget.py; before the model is loaded, so
+    with the weights still to load and an estimated activation peak instead of a profiled one)."""
+    import torch
+
+    from batchinfer.engine import kv_budget
+
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    budget = kv_budget.kv_cache_bytes(
+        config, device.type, free_bytes=free,
+        activation_bytes=kv_budget.estimate_activation_bytes(config, info),
+        unloaded_weight_bytes=info.num_params * info.dtype.itemsize,
+        mixed_graphs=kv_budget.mixed_graphs_reserve(config),
+    )
+    try:
+        return kv_budget.kv_cache_blocks(config, info, budget) * config.block_size
+    except ValueError:  # not one block fits: the estimate still needs a positive capacity
+        return config.block_size
 
 
 def _dur(s: float) -> str:

@@ -101,6 +101,12 @@ def test_validate_and_plan(job_file, tiny_model):
     assert f"prompt tokens: {expected} " in r.output
     assert "bytes per token (2 layers x 2 kv heads x 32 x 2 x 4 B)" in r.output
     assert "time on cpu: at least" in r.output and "assumptions:" in r.output
+    assert "the engine's KV cache on cpu: about 512 tokens" in r.output  # num_kv_blocks 32 x block 16
+    # without num_kv_blocks: engine/kv_budget.py's CPU budget, what the engine itself allocates
+    r = invoke("plan", job_file, "--set", "engine.num_kv_blocks=null", "--set", "engine.kv_cache_gib=0.001")
+    assert r.exit_code == 0, r.output
+    per_block = 16 * 2 * 2 * 2 * 32 * 4
+    assert f"the engine's KV cache on cpu: about {(1 << 30) // 1000 // per_block * 16} tokens" in r.output
 
 
 def test_validate_refuses_a_template_that_fails_on_every_row(job_file):

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchinfer.attention.base import AttentionMetadata
+import numpy as np
+
+from batchinfer.attention.base import AttentionMetadata, GraphBuffers, ToDevice, pack_metadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -37,9 +39,16 @@ class TorchAttentionBackend:
     """AttentionBackend in plain PyTorch (any device; used on CPU)."""
 
     name = "torch"
+    graph_safe = False  # loops over sequences on the host (query_lens_cpu): nothing to capture
 
-    def extend_tile_tokens(self, num_heads: int, num_kv_heads: int) -> int | None:
-        return None  # loops over sequences on the host: no tile map
+    def build_metadata(
+        self, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+        slot_mapping: torch.Tensor, to_device: ToDevice,
+    ) -> AttentionMetadata:
+        return pack_metadata(query_lens, seq_lens, block_tables, slot_mapping, to_device)[0]
+
+    def graph_buffers(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, decode_only: bool, device) -> GraphBuffers:
+        raise NotImplementedError("the torch attention backend is not graph-safe (it loops on the host)")
 
     def forward(
         self,

@@ -175,11 +175,7 @@ def run_throughput(
     layer_params, all_params = info.num_layer_params, info.num_params
     dtype_bytes = torch.finfo(info.dtype).bits // 8
     kv_per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
-    if cuda:
-        free, total = torch.cuda.mem_get_info()
-        kv_capacity = int((total * 0.9 - all_params * dtype_bytes) // kv_per_token)
-    else:
-        kv_capacity = int(cfg.kv_cache_gib * (1 << 30) // kv_per_token)
+    kv_capacity = engine.runner.num_blocks * cfg.block_size  # as sized by engine/kv_budget.py
     floor = workload_floor(
         prompt_lens,
         out_lens,

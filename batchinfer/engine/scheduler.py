@@ -23,15 +23,13 @@ from batchinfer.engine.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """max_reserved_output: most output tokens counted per sequence at admission (the cap);
-    watermark_blocks: blocks kept free at admission while other sequences run."""
+    """max_reserved_output: most output tokens counted per sequence at admission (the cap)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     enable_prefix_sharing: bool = True
     max_reserved_output: int = 1024
-    watermark_blocks: int = 0
 
 
 @dataclass
@@ -200,7 +198,7 @@ class Scheduler:
             shared = self._match_prefix(seq) if self.config.enable_prefix_sharing else []
             need = self._reserved_blocks(seq) - len(shared)
             spare = self.allocator.num_free - outstanding - need
-            if self.running and spare < self.config.watermark_blocks:
+            if self.running and spare < 0:  # its reservation does not fit next to the running ones
                 break
             if self.allocator.num_free == 0:
                 break

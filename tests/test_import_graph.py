@@ -23,9 +23,7 @@ PENDING_CYCLES: list[tuple[str, ...]] = [
     ("batchinfer.observe.page", "batchinfer.observe.report"),
 ]
 # (kernel module, module of an upper layer it imports), pending in the same way.
-PENDING_KERNEL_IMPORTS: list[tuple[str, str]] = [
-    ("batchinfer.kernels.extend_attention", "batchinfer.attention.base"),
-]
+PENDING_KERNEL_IMPORTS: list[tuple[str, str]] = []
 UPPER_LAYERS = ("batchinfer.attention", "batchinfer.engine", "batchinfer.models")
 
 

@@ -1,5 +1,7 @@
-"""CUDA graphs captured once at start-up: decode-only steps for a ladder of batch sizes (DecodeGraphs),
-steps that prefill for a ladder of padded token counts (MixedGraphs), and the one capture loop.
+"""CUDA graphs captured once at start-up, and the one capture loop (capture_largest_first).
+
+DecodeGraphs: decode-only steps for a ladder of batch sizes; MixedGraphs: steps that prefill, for a
+ladder of padded token counts.
 
 A decode step of a small model is hundreds of tiny kernels; launched one by one from Python the
 host, not the GPU, sets the pace. Each graph replays a whole step (embedding, every layer, final

@@ -1,6 +1,7 @@
-"""When a sequence is finished, and its Result: a sampled token is appended and checked against the
-stop token ids and EOS, the grammar's verdict, stop strings (through its detokenizer), max_tokens
-and max_model_len; a finished sequence gets its final text and becomes a Result.
+"""Finishing sequences: whether an appended token ends one, its final text, its Result.
+
+A sampled token is checked against the stop token ids and EOS, the grammar's verdict, stop strings
+(through the sequence's detokenizer), max_tokens and max_model_len.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The engine's grammar work, one GrammarState per engine: compiled grammars, bitmask buffers, and per step
-the accept of the read tokens and the masks of the next step's rows.
+"""The engine's grammar work, one GrammarState per engine: compiled grammars, masks, accepts.
 
 The engine loop (engine/engine.py) calls, per step: `accept` with the tokens it just read (one batched
 call per grammar library), `start_fill` for the rows of the step being launched (the library fills on

@@ -177,7 +177,8 @@ def compare(
     side, the rows that changed most, the rows only one run has. Exits 0 whatever the differences."""
     import json
 
-    from batchinfer.observe.compare import compare_runs, write_compare_page
+    from batchinfer.observe.compare import compare_runs
+    from batchinfer.observe.compare_page import write_compare_page
 
     _setup_logging(True, log_level)
     try:

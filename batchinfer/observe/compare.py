@@ -10,7 +10,7 @@ changed most come first. Beside that: per schema field agreement (over rows both
 error), latency and throughput side by side, and the rows only one run has.
 
 The result is a frozen dataclass (Comparison); `as_dict()` gives its JSON form, `summary_text()` the
-lines the CLI prints, compare_page.render_compare the page. Speculative decoding must compare at
+lines the CLI prints, compare_page.write_compare_page the page. Speculative decoding must compare at
 100 % identical against plain decoding; a dtype change (FP8) shows its agreement.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -397,15 +396,3 @@ def summary_text(c: Comparison, rows: int = 10) -> str:
         if n:
             lines.append(f"only in {name}: {', '.join(ids)}" + (f" ... ({n:,} in all)" if n > len(ids) else ""))
     return "\n".join(lines)
-
-
-def write_compare_page(c: Comparison, path: str | Path) -> Path:
-    """Write the comparison page (compare_page.py) to path, atomically."""
-    from batchinfer.io.manifest import atomic_write_text
-    from batchinfer.observe.compare_page import render_compare
-
-    path = Path(path)
-    if path.parent and not path.parent.is_dir():
-        raise FileNotFoundError(f"--html {path}: folder {path.parent} does not exist")
-    atomic_write_text(path, render_compare(c))
-    return Path(os.path.abspath(path))

@@ -7,8 +7,12 @@ side, the rows that changed most, and the rows only one run has.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from matplotlib.figure import Figure
 
+from batchinfer.io.manifest import atomic_write_text
 from batchinfer.observe import labels as L
 from batchinfer.observe import plots
 from batchinfer.observe.compare import NUMBERS, Comparison, fmt_number, token_text
@@ -74,3 +78,12 @@ def render_compare(c: Comparison) -> str:
             more = f" \u2026 ({L.count(n)} in all)" if n > len(ids) else ""
             body.append(f'<h2 id="only-{name.lower()}">Only in {name} ({L.count(n)})</h2><p>{esc(", ".join(ids))}{esc(more)}</p>')
     return document("batchinfer compare", "\n".join(body))
+
+
+def write_compare_page(c: Comparison, path: str | Path) -> Path:
+    """Write the comparison page to path (atomically); returns its absolute path."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"--html {path}: folder {path.parent} does not exist")
+    atomic_write_text(path, render_compare(c))
+    return Path(os.path.abspath(path))

@@ -36,6 +36,11 @@ def count(n: Any) -> str:
     return DASH if n is None else f"{int(n):,}"
 
 
+def plural(n: Any, word: str, many: str | None = None) -> str:
+    """"1 row", "2 rows", "1,234 errors" (many: the plural when it is not word + "s")."""
+    return f"{count(n)} {word if n == 1 else (many or word + 's')}"
+
+
 def pct(frac: Any, digits: int = 1) -> str:
     """A share 0..1 as "6.1 %" (None -> "–"); shares that round to 0 or 100 but are not say "< 0.1 %"."""
     if frac is None or (isinstance(frac, float) and math.isnan(frac)):

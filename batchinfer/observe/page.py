@@ -48,7 +48,7 @@ def headline(report: dict[str, Any]) -> str:
         ("end", "Finished", L.clock(t.get("end")), ""),
         ("wall", "Wall time", L.seconds(h["wall_s"]),
          f"over {runs} runs (time between runs not counted)" if runs > 1 else "from start to the last row, model load included"),
-        ("rows", "Rows", f"{L.count(h['rows_ok'])} ok \u00b7 {L.count(h['rows_error'])} errors \u00b7 "
+        ("rows", "Rows", f"{L.count(h['rows_ok'])} ok \u00b7 {L.plural(h['rows_error'], 'error')} \u00b7 "
                          f"{L.count(h['rows_rejected'])} rejected",
          f"{L.pct(h['rows_error'] / h['rows']) if h['rows'] else L.DASH} of rows have an error"),
         ("docs-per-hour", "Documents per hour", L.num(h["documents_per_hour"]), "rows over the wall time"),
@@ -85,7 +85,7 @@ def samples(report: dict[str, Any]) -> str:
     else:
         parts.append('<p class="note">no successful row in the output</p>')
     for kind, e in (s.get("errors") or {}).items():
-        parts.append(f"<h3>Error: {esc(kind)} ({L.count(e['count'])} rows)</h3>")
+        parts.append(f"<h3>Error: {esc(kind)} ({L.plural(e['count'], 'row')})</h3>")
         rows = [[r["id"], r.get("excerpt") or L.DASH, r["error"]] for r in e["rows"]]
         parts.append(grid(["Row", "Input (excerpt)", "Error"], rows, text=(1, 2)))
     rej = s.get("rejects")

@@ -321,8 +321,8 @@ def summary_text(report: dict[str, Any]) -> str:
     lines = [
         f"batchinfer report: {report['out_dir']}",
         "model {} ({}) on {}".format(*L.model_text(m), L.device_text(d)) if m.get("name") else f"model not recorded; device {L.device_text(d)}",
-        f"rows {t['rows']:,} (ok {t['ok']:,}, error {t['errors']:,}); {h['rows_rejected']:,} input lines rejected; finish: {reasons}",
-        f"wall time {L.seconds(h['wall_s'])} over {t['runs']} run(s); {L.num(h['documents_per_hour'])} documents/h; "
+        f"rows {t['rows']:,} (ok {t['ok']:,}, error {t['errors']:,}); {L.plural(h['rows_rejected'], 'input line')} rejected; finish: {reasons}",
+        f"wall time {L.seconds(h['wall_s'])} over {L.plural(t['runs'], 'run')}; {L.num(h['documents_per_hour'])} documents/h; "
         f"{L.num(tp['completion_tokens_per_s'])} output tok/s while generating"
         + (f"; {L.pct(roof['fraction'])} of the roofline" if "fraction" in roof else ""),
         f"tokens: prompt {t['prompt_tokens']:,}, completion {t['completion_tokens']:,}; engine time "

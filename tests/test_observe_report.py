@@ -337,7 +337,7 @@ def test_compare_finds_the_rows_a_changed_prompt_changed(runs):
     assert (c.matched, c.only_a_ids, c.only_b_ids) == (N_FREE - 1, ("d00",), ("d99",))
     changed = {ch.id for ch in c.changed}
     assert changed and changed <= prompt_changed  # rows with the same prompt answer the same
-    assert c.identical == c.matched - len(changed) and c.token_level
+    assert c.identical == c.matched - len(changed) and c.token_level and c.same_prompt_differing == 0
     ids_a = {r["id"]: r["output_token_ids"] for r in read_token_ids(a).iter_rows(named=True)}
     ids_b = {r["id"]: r["output_token_ids"] for r in read_token_ids(b).iter_rows(named=True)}
     texts_a = dict(output(a).select("doc_id", "output_text").iter_rows())
@@ -353,6 +353,7 @@ def test_compare_finds_the_rows_a_changed_prompt_changed(runs):
         sa, sb, j = texts_a[ch.id], texts_b[ch.id], ch.first_char
         assert sa[:j] == sb[:j] and sa[j:j + 1] != sb[j:j + 1]
         assert 0 < ch.changed_share <= 1
+        assert ch.same_prompt is False  # these rows' prompts were changed
     shares = [ch.changed_share for ch in c.changed]
     assert shares == sorted(shares, reverse=True)  # the rows that changed most first
 

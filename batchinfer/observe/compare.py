@@ -9,7 +9,8 @@ nothing in common at either end), in tokens where both have ids, else characters
 changed most come first. Beside that: per schema field agreement (over rows both answered without an
 error), latency and throughput side by side, and the rows only one run has.
 
-The result is a frozen dataclass (Comparison); `as_dict()` gives its JSON form, `summary_text()` the
+The job's config (model, structured spec) is read from each run's `_report.json`; a run written
+without a report still compares by text. The result is a frozen dataclass (Comparison); `as_dict()` gives its JSON form, `summary_text()` the
 lines the CLI prints, compare_page.write_compare_page the page. Speculative decoding must compare at
 100 % identical against plain decoding; a dtype change (FP8) shows its agreement.
 """
@@ -96,6 +97,7 @@ class RowChange:
     context_a: str  # the text around the first difference
     context_b: str
     fields: tuple[str, ...]  # answer fields that differ
+    same_prompt: bool | None  # both runs sent the same prompt token ids (None: not known, no sidecars)
     finish_a: str | None
     finish_b: str | None
     answer_a: str | None
@@ -117,6 +119,7 @@ class Comparison:
     fields: tuple[FieldAgreement, ...]
     changed: tuple[RowChange, ...]  # the rows that changed most first, at most MAX_CHANGED
     token_level: bool  # first differing tokens come from both runs' token-id sidecars
+    same_prompt_differing: int  # differing rows whose prompt token ids are the same in both (the model changed them)
     first_token_positions: dict[str, float | None]  # rows, min / median / max over differing rows with ids
     first_token_hist: dict[str, list[float]] | None  # their histogram (answers.hist_bins: edges, counts)
 
@@ -268,14 +271,15 @@ def _field_diffs(lf_a: pl.LazyFrame, lf_b: pl.LazyFrame, report_a: dict[str, Any
     return tuple(agreements), per_row
 
 
-def _token_ids(out: Path, ids: list[str]) -> dict[str, list[int]]:
+def _token_ids(out: Path, ids: list[str]) -> dict[str, tuple[list[int], list[int]]]:
+    """id -> (prompt token ids, output token ids) from a run's sidecar, for the given ids."""
     from batchinfer.observe.tokenlog import read_token_ids
 
     frame = read_token_ids(out)
     if frame.height == 0:
         return {}
     frame = frame.filter(pl.col("id").is_in(ids))
-    return dict(zip(frame.get_column("id").to_list(), frame.get_column("output_token_ids").to_list()))
+    return {i: (p, o) for i, p, o in frame.select("id", "prompt_token_ids", "output_token_ids").iter_rows()}
 
 
 def compare_runs(out_a: str | Path, out_b: str | Path, max_changed: int = MAX_CHANGED) -> Comparison:
@@ -305,10 +309,15 @@ def compare_runs(out_a: str | Path, out_b: str | Path, max_changed: int = MAX_CH
     token_level = bool(ids_a) and bool(ids_b)
     changes = []
     positions = []
+    same_prompts = 0
     for r in differing.iter_rows(named=True):
         rid, ta, tb = r["_id"], r["output_text"] or "", r["output_text_b"] or ""
         char = _common_ends(ta, tb)[0]
-        seq_a, seq_b = ids_a.get(rid), ids_b.get(rid)
+        seq_a, seq_b, same_prompt = None, None, None
+        if rid in ids_a and rid in ids_b:
+            (prompt_a, seq_a), (prompt_b, seq_b) = ids_a[rid], ids_b[rid]
+            same_prompt = prompt_a == prompt_b
+            same_prompts += same_prompt
         if seq_a is not None and seq_b is not None:
             first = _common_ends(seq_a, seq_b)[0]
             positions.append(first)
@@ -320,7 +329,7 @@ def compare_runs(out_a: str | Path, out_b: str | Path, max_changed: int = MAX_CH
             share = _changed_share(ta, tb)
         changes.append(RowChange(
             rid, share, first, tok_a, tok_b, None, None, char, _around(ta, char), _around(tb, char),
-            field_diffs.get(rid, ()), r["finish_reason"], r["finish_reason_b"],
+            field_diffs.get(rid, ()), same_prompt, r["finish_reason"], r["finish_reason_b"],
             answers.cut(ta, answers.ANSWER_CHARS) if r["output_text"] is not None else None,
             answers.cut(tb, answers.ANSWER_CHARS) if r["output_text_b"] is not None else None,
         ))
@@ -334,7 +343,7 @@ def compare_runs(out_a: str | Path, out_b: str | Path, max_changed: int = MAX_CH
         a=side_a, b=side_b, matched=joined.height, identical=int(same.sum()),
         only_a=only_a.len(), only_b=only_b.len(),
         only_a_ids=tuple(only_a.head(MAX_IDS).to_list()), only_b_ids=tuple(only_b.head(MAX_IDS).to_list()),
-        fields=fields, changed=tuple(top), token_level=token_level,
+        fields=fields, changed=tuple(top), token_level=token_level, same_prompt_differing=same_prompts,
         first_token_positions={
             "rows": pos.len(),
             "min": float(pos.min()) if pos.len() else None,  # type: ignore[arg-type]
@@ -375,7 +384,8 @@ def summary_text(c: Comparison, rows: int = 10) -> str:
     fp = c.first_token_positions
     if c.token_level and fp["rows"]:
         lines.append(f"first differing token (token-id sidecars): median position {L.num(fp['median'])} "
-                     f"(min {L.num(fp['min'])}, max {L.num(fp['max'])}) over {fp['rows']:,} rows")
+                     f"(min {L.num(fp['min'])}, max {L.num(fp['max'])}) over {fp['rows']:,} rows; "
+                     f"{c.same_prompt_differing:,} of them had the same prompt tokens in both runs")
     elif c.differing:
         lines.append("first differences by character (run both with --log-token-ids for token positions)")
     if c.fields:
@@ -389,7 +399,8 @@ def summary_text(c: Comparison, rows: int = 10) -> str:
         lines.append(f"rows that changed most (of {c.differing:,}):")
         for ch in c.changed[:rows]:
             fields = f"; fields {', '.join(ch.fields)}" if ch.fields else ""
-            lines.append(f"  {ch.id}: {L.pct(ch.changed_share, 0)} changed; {token_text(ch)}{fields}")
+            prompt = {True: "; same prompt", False: "; prompt differs", None: ""}[ch.same_prompt]
+            lines.append(f"  {ch.id}: {L.pct(ch.changed_share, 0)} changed; {token_text(ch)}{fields}{prompt}")
             lines.append(f"      A: {ch.context_a!r}")
             lines.append(f"      B: {ch.context_b!r}")
     for name, n, ids in (("A", c.only_a, c.only_a_ids), ("B", c.only_b, c.only_b_ids)):

@@ -67,12 +67,14 @@ def render_compare(c: Comparison) -> str:
     rows = [["Rows (ok / errors)", f"{L.count(c.a.ok)} / {L.count(c.a.errors)}", f"{L.count(c.b.ok)} / {L.count(c.b.errors)}", ""], *rows]
     body += ['<h2 id="side-by-side">Latency and throughput</h2>', grid(head, rows, numeric=(1, 2, 3), id_="numbers")]
     if c.changed:
+        prompt = {True: "same", False: "differs", None: L.DASH}
         rows = [[ch.id, L.pct(ch.changed_share, 0), token_text(ch), ", ".join(ch.fields) or L.DASH,
-                 ch.context_a, ch.context_b] for ch in c.changed]
+                 prompt[ch.same_prompt], ch.context_a, ch.context_b] for ch in c.changed]
         body += [f'<h2 id="changed">Rows that changed most ({L.count(len(c.changed))} of {L.count(c.differing)})</h2>',
                  "<p>changed: the share of the answer outside its common start and end; the texts are shown "
                  "around the first differing character</p>",
-                 grid(["Row", "Changed", "First difference", "Fields", "A", "B"], rows, numeric=(1,), text=(4, 5), id_="changed-rows")]
+                 grid(["Row", "Changed", "First difference", "Fields", "Prompt", "A", "B"], rows, numeric=(1,), text=(5, 6),
+                      id_="changed-rows")]
     for name, n, ids in (("A", c.only_a, c.only_a_ids), ("B", c.only_b, c.only_b_ids)):
         if n:
             more = f" \u2026 ({L.count(n)} in all)" if n > len(ids) else ""

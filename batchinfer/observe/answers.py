@@ -1,6 +1,6 @@
 """What the answers are and what they say: read from the committed output parts.
 
-  output_frame(out)          the committed output (ids as text) as a polars LazyFrame
+  output_frame(manifest)     the committed output (plus its ids as text, `_id`) as a polars LazyFrame
   answer_columns(frame, ...) the answers' fields as dotted-path columns ("address.city")
   field_stats(...)           per field of a structured job: counts of enum and boolean values,
                              a histogram of numbers, lengths and top values of strings, null share
@@ -39,10 +39,6 @@ def output_frame(manifest: Manifest | None) -> pl.LazyFrame | None:
         return None
     lf = pl.scan_parquet(manifest.part_paths, missing_columns="insert", extra_columns="ignore")
     return lf.with_columns(pl.col(manifest.id_column).cast(pl.Utf8).alias("_id"))
-
-
-def has_column(lf: pl.LazyFrame, name: str) -> bool:
-    return name in lf.collect_schema().names()
 
 
 # ------------------------------------------------------------------------------------- field kinds
@@ -241,8 +237,9 @@ def field_stats(answers: pl.DataFrame, specs: list[FieldSpec]) -> list[dict[str,
             counts = {(_key(k)): int(c) for k, c in v.value_counts(sort=True).iter_rows()}
             order = [_key(x) for x in spec.values] + [k for k in counts if k not in {_key(x) for x in spec.values}]
             d["counts"] = [[k, counts.get(k, 0)] for k in dict.fromkeys(order)]
-        elif spec.kind in ("integer", "number") and v.dtype.is_numeric() and v.len():
+        elif spec.kind in ("integer", "number") and v.dtype.is_numeric() and v.cast(pl.Float64).is_finite().any():
             f = v.cast(pl.Float64)
+            f = f.filter(f.is_finite())
             d.update(min=float(f.min()), p50=float(f.median()), mean=float(f.mean()), max=float(f.max()))  # type: ignore[arg-type]
             d["hist"] = hist_bins(f, spec.kind == "integer" and v.dtype.is_integer())
         elif spec.kind == "array" and isinstance(v.dtype, (pl.List, pl.Array)) and v.len():

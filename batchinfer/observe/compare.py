@@ -273,12 +273,9 @@ def _field_diffs(lf_a: pl.LazyFrame, lf_b: pl.LazyFrame, report_a: dict[str, Any
 
 def _token_ids(out: Path, ids: list[str]) -> dict[str, tuple[list[int], list[int]]]:
     """id -> (prompt token ids, output token ids) from a run's sidecar, for the given ids."""
-    from batchinfer.observe.tokenlog import read_token_ids
+    from batchinfer.observe.tokenlog import scan_token_ids
 
-    frame = read_token_ids(out)
-    if frame.height == 0:
-        return {}
-    frame = frame.filter(pl.col("id").is_in(ids))
+    frame = scan_token_ids(out).filter(pl.col("id").is_in(ids)).collect()  # only the differing rows' ids
     return {i: (p, o) for i, p, o in frame.select("id", "prompt_token_ids", "output_token_ids").iter_rows()}
 
 

@@ -53,9 +53,14 @@ class TokenLog:
         self._sink.compact()
 
 
-def read_token_ids(out_dir: str | Path) -> pl.DataFrame:
-    """All logged rows of an output folder, the last record of each id (empty frame if none)."""
+def scan_token_ids(out_dir: str | Path) -> pl.LazyFrame:
+    """All logged rows of an output folder, lazily, the last record of each id (empty if none)."""
     paths = part_paths(token_ids_dir(out_dir))
     if not paths:
-        return pl.from_arrow(TOKEN_SCHEMA.empty_table())  # type: ignore[return-value]
-    return pl.scan_parquet(paths).unique(subset="id", keep="last", maintain_order=True).collect()
+        return pl.from_arrow(TOKEN_SCHEMA.empty_table()).lazy()  # type: ignore[union-attr]
+    return pl.scan_parquet(paths).unique(subset="id", keep="last", maintain_order=True)
+
+
+def read_token_ids(out_dir: str | Path) -> pl.DataFrame:
+    """All logged rows of an output folder, the last record of each id (empty frame if none)."""
+    return scan_token_ids(out_dir).collect()

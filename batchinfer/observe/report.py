@@ -286,7 +286,7 @@ def build_report(out_dir: str | Path, run: dict[str, Any] | None = None) -> tupl
     report["times"] = runinfo.run_times(steps, rows, run)
     report.update(compute_report(steps, rows, manifest))
     report["headline"] = _headline(report, rows)
-    schema = answers.load_schema(config) or stored_schema
+    schema = stored_schema or answers.load_schema(config)  # the schema as it was at run time, once recorded
     report["schema"] = schema
     try:
         report["samples"], report["answers"] = _answers_sections(out, config, schema, manifest, rows)

@@ -150,7 +150,8 @@ def report(
     out_dir: Path = typer.Argument(..., help="a job's output folder", show_default=False),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug | info | warning | error (default: warning)"),
 ) -> None:
-    """Print a finished (or dead) run's summary again and rewrite its `_report.json` / `_report.html`."""
+    """Print a finished (or dead) run's summary again and rewrite its report: `_report.json` (numbers) and
+    `_report.html` (headline, sample answers, what the answers say, throughput, latency, KV use)."""
     from batchinfer.observe import report_command
 
     _setup_logging(True, log_level)
@@ -161,6 +162,38 @@ def report(
     except _user_errors() as e:  # e.g. an unreadable manifest
         raise _fail(str(e), EXIT_INVALID) from None
     typer.echo(text)
+
+
+@app.command()
+def compare(
+    out_a: Path = typer.Argument(..., help="the first run's output folder (A)", show_default=False),
+    out_b: Path = typer.Argument(..., help="the second run's output folder (B)", show_default=False),
+    html: Optional[Path] = typer.Option(None, "--html", help="also write the comparison as one self-contained page"),
+    as_json: bool = typer.Option(False, "--json", help="print the comparison as JSON instead of text"),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug | info | warning | error (default: warning)"),
+) -> None:
+    """Compare two runs answer by answer: rows matched by id, the share of identical answers, per field
+    agreement, the first differing token (with --log-token-ids in both), latency and throughput side by
+    side, the rows that changed most, the rows only one run has. Exits 0 whatever the differences."""
+    import json
+
+    from batchinfer.observe.compare import compare_runs
+    from batchinfer.observe.compare_page import write_compare_page
+
+    _setup_logging(True, log_level)
+    try:
+        result = compare_runs(out_a, out_b)
+        page = write_compare_page(result, html) if html is not None else None
+    except FileNotFoundError as e:
+        raise _fail(str(e), EXIT_INVALID) from None
+    except _user_errors() as e:  # e.g. an unreadable manifest
+        raise _fail(str(e), EXIT_INVALID) from None
+    if as_json:
+        typer.echo(json.dumps(result.as_dict(), indent=1, default=str))
+    else:
+        typer.echo(result.summary_text())
+    if page is not None and not as_json:
+        typer.echo(f"page: {page}")
 
 
 @app.command()

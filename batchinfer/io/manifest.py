@@ -27,11 +27,11 @@ from typing import Any
 import polars as pl
 import pyarrow.parquet as pq
 
+from batchinfer.io.layout import MANIFEST, REJECTS, manifest_path  # noqa: F401  (names re-exported)
+
 log = logging.getLogger(__name__)
 
-MANIFEST = "_manifest.json"
 LOCK = "_lock"
-REJECTS = "_rejects.jsonl"
 TMP_PREFIX = "_tmp."
 PART_RE = re.compile(r"^part-(\d{6})\.parquet$")
 FINGERPRINT_KEY = b"batchinfer.fingerprint"
@@ -91,11 +91,11 @@ class Manifest:
 
     @property
     def path(self) -> Path:
-        return self.folder / MANIFEST
+        return manifest_path(self.folder)
 
     @classmethod
     def load(cls, folder: Path) -> "Manifest | None":
-        p = folder / MANIFEST
+        p = manifest_path(folder)
         if not p.exists():
             return None
         try:
@@ -144,7 +144,7 @@ def next_part_number(folder: Path) -> int:
 
 
 def has_output(folder: Path) -> bool:
-    return (folder / MANIFEST).exists() or bool(part_files(folder))
+    return manifest_path(folder).exists() or bool(part_files(folder))
 
 
 def clear_output(folder: Path) -> None:

@@ -144,9 +144,9 @@ def _finish_observer(obs: Observer, plan: JobPlan, s: RunSummary) -> RunSummary:
     except Exception as e:
         log.error("the run's output is complete, but writing its report/metrics failed: %s: %s", type(e).__name__, e)
     if obs.report is not None:
-        from batchinfer.observe.report import REPORT_HTML
+        from batchinfer.io.layout import report_html_path
 
-        s = dataclasses.replace(s, report_path=str(plan.output_dir / REPORT_HTML))
+        s = dataclasses.replace(s, report_path=str(report_html_path(plan.output_dir)))
     return s
 
 

@@ -10,6 +10,8 @@ from batchinfer.io.readers import Row
 from batchinfer.job.spec import JobSpec
 from batchinfer.job.prompts import PromptBuilder, RowError
 
+EXCERPT_CHARS = 200
+
 
 # ---- stage 3: rows to requests -----------------------------------------------------------------------
 
@@ -22,6 +24,7 @@ class RowMeta:
     file: str
     line: int
     prompt_tokens: int = 0
+    excerpt: str | None = None  # the start of the row's template columns, for the run report
 
 
 class RequestBuilder:
@@ -38,9 +41,27 @@ class RequestBuilder:
     def keys(self, row: Row) -> dict[str, Any]:
         return {k: row.values.get(k) for k in self.key_names}
 
+    def meta(self, row: Row) -> RowMeta:
+        """What the writer and the run records keep of a row while it is in the engine."""
+        return RowMeta(self.keys(row), row.file, row.line, excerpt=input_excerpt(row.values, self.prompts.columns))
+
     def build(self, row: Row, request_id: str) -> Request:
         text, ids = self.prompts.encode(row.values)
         if len(ids) >= self.max_model_len:
             limit = self.max_model_len
             raise RowError(f"prompt has {len(ids)} tokens; the model allows at most {limit - 1} (max_model_len {limit})")
         return Request(request_id, ids, self.sampling, self.constraint, text)
+
+
+def input_excerpt(values: dict[str, Any], columns: list[str], limit: int = EXCERPT_CHARS) -> str | None:
+    """The start of a row's template columns on one line ("col: text | col2: text" for several), at
+    most `limit` characters; None when the row has none of them. Cheap: only each value's head is read."""
+    present = [(c, values[c]) for c in columns if values.get(c) is not None]
+    if not present:
+        return None
+    parts = []
+    for name, value in present:
+        head = " ".join(str(value)[: limit * 2].split())
+        parts.append(head if len(present) == 1 else f"{name}: {head}")
+    text = " | ".join(parts)
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "\u2026"

@@ -149,14 +149,15 @@ def execute(
                 rejects.write(reject_line(item) + "\n")
                 progress.rejects += 1
                 continue
-            meta = RowMeta(builder.keys(item), item.file, item.line)
+            meta = builder.meta(item)
             rid = str(n)
             n += 1
             try:
                 req = builder.build(item, rid)
             except RowError as e:
                 msg = f"{e} ({Path(item.file).name} line {item.line})"
-                finish(converter.error_row(meta, msg), RowRecord(meta.keys[key], "error", 0, 0, error=msg))
+                record = RowRecord(meta.keys[key], "error", 0, 0, error=msg, excerpt=meta.excerpt)
+                finish(converter.error_row(meta, msg), record)
                 continue
             inflight[rid] = meta
             yield req
@@ -166,7 +167,7 @@ def execute(
         row = converter.row(meta, result)
         record = RowRecord(
             meta.keys[key], row["finish_reason"], result.prompt_tokens, result.completion_tokens,
-            result.times, result.num_preemptions, row["error"], result,
+            result.times, result.num_preemptions, row["error"], result, meta.excerpt,
         )
         finish(row, record)
         writer.maybe_flush()

@@ -27,6 +27,7 @@ class RowRecord:
     num_preemptions: int = 0
     error: str | None = None  # the output row's error (also set when the answer failed validation)
     result: Result | None = None  # the engine's Result, None for rows that never reached it
+    excerpt: str | None = None  # the start of the row's input (RowMeta.excerpt), for the run report
 
 
 @dataclass

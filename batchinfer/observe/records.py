@@ -1,8 +1,11 @@
 """Step and row records persisted beside the output, so a report can be rebuilt after the run.
 
-Layout (inside the job's output folder):
-  _steps/part-<run_id>-<n>.parquet   one row per engine step   (STEP_SCHEMA)
-  _rows/part-<run_id>-<n>.parquet    one row per finished row  (ROW_SCHEMA)
+Layout (folders named by batchinfer/io/layout.py):
+  steps_dir(out)/part-<run_id>-<n>.parquet   one row per engine step   (STEP_SCHEMA)
+  rows_dir(out)/part-<run_id>-<n>.parquet    one row per finished row  (ROW_SCHEMA)
+
+A row record's `excerpt` (the start of the row's input, for the report's sample answers) is kept
+only for a few rows of each run, see Observer.
 
 Why folders of small parts and not one file: a run can die at any moment (kill -9) and be resumed.
 Records are flushed every `flush_rows` records or `flush_s` seconds as complete parts (temp name, then
@@ -24,16 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer.engine.request import RequestTimes, Result
 from batchinfer.engine.stats import StepStats
+from batchinfer.io.layout import ROWS_DIR, STEPS_DIR  # noqa: F401  (names re-exported)
 
 log = logging.getLogger(__name__)
-
-STEPS_DIR = "_steps"
-ROWS_DIR = "_rows"
 
 STEP_SCHEMA = pa.schema(
     [
@@ -68,6 +70,7 @@ ROW_SCHEMA = pa.schema(
         ("latency_s", pa.float64()),
         ("finished_t", pa.float64()),
         ("error", pa.string()),
+        ("excerpt", pa.string()),
     ]
 )
 
@@ -136,6 +139,7 @@ class RowOutcome:
     error: str | None = None
     times: RequestTimes | None = None
     num_preemptions: int = 0
+    excerpt: str | None = None  # the start of the row's input (see requests.input_excerpt)
 
     @property
     def failed(self) -> bool:
@@ -154,11 +158,25 @@ class RowOutcome:
         """From the driver's run.RowRecord (duck-typed; `error` is used when the record has one)."""
         return cls(str(record.row_id), record.finish_reason, int(record.prompt_tokens or 0),
                    int(record.completion_tokens or 0), getattr(record, "error", None), record.times,
-                   int(getattr(record, "num_preemptions", 0) or 0))
+                   int(getattr(record, "num_preemptions", 0) or 0), getattr(record, "excerpt", None))
+
+    @property
+    def kind(self) -> str | None:
+        """The error's kind (error_kind), None for a row without error."""
+        return error_kind(self.error) if self.failed else None
 
 
-def row_record(run_id: str, row: RowOutcome, t0: float) -> dict[str, Any]:
-    """One `_rows` record: token counts, finish reason, error, timings (t relative to the run start t0)."""
+def error_kind(message: str | None) -> str:
+    """A short class of an error message: the text before its first ':' (what our errors start with)."""
+    if not message:
+        return "unknown"
+    head = message.split(":", 1)[0].strip()
+    return (head or message.strip())[:80]
+
+
+def row_record(run_id: str, row: RowOutcome, t0: float, keep_excerpt: bool = True) -> dict[str, Any]:
+    """One `_rows` record: token counts, finish reason, error, timings (t relative to the run start t0),
+    and the input excerpt when keep_excerpt."""
     t = row.times
     rec: dict[str, Any] = {
         "run_id": run_id,
@@ -169,6 +187,7 @@ def row_record(run_id: str, row: RowOutcome, t0: float) -> dict[str, Any]:
         "completion_tokens": row.completion_tokens,
         "num_preemptions": row.num_preemptions,
         "error": row.error,
+        "excerpt": row.excerpt if keep_excerpt else None,
     }
     rec.update(row_metrics(row))
     rec["latency_s"] = _diff(t.finished, t.arrived) if t is not None else None
@@ -249,3 +268,13 @@ def part_paths(folder: Path) -> list[str]:
     if not folder.is_dir():
         return []
     return sorted(str(p) for p in folder.glob("part-*.parquet"))
+
+
+def read_parts(folder: Path, schema: pa.Schema) -> pl.DataFrame:
+    """All parts of a record folder as one frame of `schema`: columns an older batchinfer did not
+    write come back as nulls, columns this one does not know are left out (empty frame: no parts)."""
+    paths = part_paths(folder)
+    if not paths:
+        return pl.from_arrow(schema.empty_table())  # type: ignore[return-value]
+    target = pl.from_arrow(schema.empty_table()).schema  # type: ignore[union-attr]
+    return pl.scan_parquet(paths, schema=target, missing_columns="insert", extra_columns="ignore").collect()

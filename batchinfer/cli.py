@@ -107,7 +107,7 @@ def _sample_rows(plan: Any, columns: list[str]) -> tuple[list[Any], int]:
     from batchinfer.io.readers import Reject, Row, iter_rows
 
     rows, rejects = [], 0
-    for batch in iter_rows(plan.files, plan.spec.input.id_column, SAMPLE_ROWS, columns):
+    for batch in iter_rows(plan.files, plan.spec.input.id_column, SAMPLE_ROWS, columns, plan.ids.rejected):
         for item in batch:
             if isinstance(item, Reject):
                 rejects += 1
@@ -131,7 +131,7 @@ def _load_for_checks(job: Path, set_: list[str]) -> tuple[Any, Any, Any, Any]:
     info = load_model_info(str(model_dir), spec.model.dtype, _device(spec.engine.device))
     tokenizer = load_tokenizer(model_dir)
     files = list_input_files(spec.input.path, spec.input.format)
-    ids = check_ids(files, spec.input.id_column)
+    ids = check_ids(files, spec.input.id_column, spec.input.duplicates)
     key_types(spec, files)  # keep_columns present in Parquet files
     plan = type("InputPlan", (), {"spec": spec, "files": files, "ids": ids, "model_dir": model_dir})()
     return spec, plan, tokenizer, info
@@ -210,20 +210,25 @@ def validate(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
         failures = []
         for r in rows:
             try:
+                if spec.input.format == "openai":  # the line's url, body fields and response_format too
+                    from batchinfer.io.openai_batch import line_request
+
+                    line_request(r.values, spec.sampling.to_params(), spec.sampling.n, spec.sampling.logprobs, None)
                 builder.encode(r.values)
             except RowError as e:
                 failures.append(f"{Path(r.file).name} line {r.line}: {e}")
         if rows and len(failures) == len(rows):
             from batchinfer.job.spec import JobError
 
-            raise JobError("prompt.template fails on every sampled row:\n  " + "\n  ".join(failures))
+            what = "prompt.messages" if spec.prompt.messages is not None else "prompt.template"
+            raise JobError(f"{what} fails on every sampled row:\n  " + "\n  ".join(failures))
         check_schema(spec, tokenizer, info.vocab_size)
     except _user_errors() as e:
         raise _fail(str(e), EXIT_INVALID) from None
     typer.echo(f"job ok: {job}")
     typer.echo(f"  model: {plan.model_dir} ({info.architecture}, max {info.max_position_embeddings} positions)")
     typer.echo(f"  input: {len(plan.files)} file(s), {plan.ids.num_rows} rows with an id")
-    typer.echo(f"  template rendered on {len(rows) - len(failures)} of the first {len(rows)} rows")
+    typer.echo(f"  prompt rendered on {len(rows) - len(failures)} of the first {len(rows)} rows")
     for f in failures:
         typer.echo(f"  warning: {f}")
     if rejects:
@@ -266,6 +271,7 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     import torch
 
     max_tokens = spec.sampling.max_tokens
+    answers = spec.sampling.n  # each answer is a sequence of its own (its prompt prefilled once, counted n times)
     dtype_bytes = torch.tensor([], dtype=info.dtype).element_size()
     per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
     total_prompt = sum(prompt_lens)
@@ -275,7 +281,8 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     lines = [
         f"rows: {n} to do ({len(finished)} already done, {bad} will fail before the engine)",
         f"prompt tokens: {total_prompt} (mean {total_prompt / n if n else 0:.0f}, max {max(prompt_lens, default=0)})",
-        f"output tokens: at most {n * max_tokens} ({max_tokens} per row)",
+        f"output tokens: at most {n * answers * max_tokens} ({max_tokens} per row)" if answers == 1 else
+        f"output tokens: at most {n * answers * max_tokens} ({answers} answers of {max_tokens} per row)",
         f"KV cache: {per_token} bytes per token "
         f"({info.num_layers} layers x {info.num_kv_heads} kv heads x {info.head_dim} x 2 x {dtype_bytes} B)",
         f"  whole job at once: {_gib(per_token * (total_prompt + n * max_tokens))}; "
@@ -285,7 +292,7 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     capacity = _kv_capacity_tokens(spec.engine_config(), info, device)
     lines.append(f"  the engine's KV cache on {device.type}: about {capacity} tokens ({_gib(capacity * per_token)})")
     if n:
-        lines += _time_estimate(spec, info, prompt_lens, per_token, dtype_bytes, device, capacity)
+        lines += _time_estimate(spec, info, [p for p in prompt_lens for _ in range(answers)], per_token, dtype_bytes, device, capacity)
     typer.echo("\n".join(lines))
 
 

@@ -18,6 +18,7 @@ from batchinfer.io.writer import output_schema
 from batchinfer.job.spec import JobError, load_job
 from batchinfer.job.plan import plan_inputs
 from batchinfer.job import RunError
+from batchinfer.job.results import result_columns
 
 N_ROWS = 48
 
@@ -159,7 +160,7 @@ def test_part_committed_but_not_reported_is_recorded_and_not_redone(tiny_model, 
     write_input(tmp_path)
     plan = plan_inputs(load_job(job(tiny_model, tmp_path, "out", 2)))
     try:
-        columns = output_schema(plan.key_types, None)
+        columns = output_schema(plan.key_types, result_columns(None, 1, False))
         rows = [Row({"doc_id": i, "text": f"t{i}"}, "in.jsonl", i + 1) for i in range(6)]
         coord = Coordinator(plan, DataParallelPlan(2, None, 3), columns, iter(()), None, lambda spec: None)
         w = _Worker(0, _DeadProcess(), _ClosedPipe(), _ClosedPipe())

@@ -17,6 +17,7 @@ from batchinfer.io.ids import check_ids
 from batchinfer.io.readers import InputError, Reject, Row, iter_rows, list_input_files
 from batchinfer.io.writer import PartWriter, output_schema
 from batchinfer.job.spec import JobError
+from batchinfer.job.results import result_columns
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
@@ -107,7 +108,7 @@ def _writer(folder: Path, rows_per_part=3, fp="fp1"):
     folder.mkdir(exist_ok=True)
     m = mf.Manifest(folder, fp, {}, "id")
     m.save()
-    return m, PartWriter(m, output_schema({"id": None, "title": None}, None), rows_per_part, 3600)
+    return m, PartWriter(m, output_schema({"id": None, "title": None}, result_columns(None, 1, False)), rows_per_part, 3600)
 
 
 def test_writer_commits_parts_with_temp_names_and_manifest(tmp_path):

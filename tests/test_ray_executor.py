@@ -124,3 +124,36 @@ def test_ray_rejects_bad_lines_like_local(tiny_model, tmp_path, local_ray):
     assert b["doc_id"].to_list() == [0, 1, 2, 3, 4, 6, 7, 8]  # every good id exactly once
     assert a.equals(b)  # identical output per id, the row error included (line number of row 4 too)
     assert "template column 'text' is missing" in b.filter(pl.col("doc_id") == 4)["error"].item()
+
+
+def test_ray_openai_batch_file_matches_local(tiny_model, tmp_path, local_ray):
+    """An OpenAI Batch file on Ray: the lines travel whole (url, body), a repeated custom_id is rejected,
+    and results.jsonl / errors.jsonl answer every custom_id as the local executor does."""
+    url = "/v1/chat/completions"
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": url,
+                         "body": {"messages": [{"role": "user", "content": f"invoice {i}"}], "max_tokens": 2 + i % 3}})
+             for i in range(6)]
+    lines.append(json.dumps({"custom_id": "c1", "url": url, "body": {"messages": []}}))  # a repeat: rejected
+    lines.append(json.dumps({"custom_id": "c9", "url": "/v1/embeddings", "body": {"messages": []}}))  # an error row
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "batch.jsonl").write_text("\n".join(lines) + "\n")
+
+    def answers(out: str) -> dict:
+        run = job(tiny_model, tmp_path, out)
+        run["input"] = {"path": str(tmp_path / "in"), "format": "openai"}
+        run["output"] = {"path": str(tmp_path / out), "format": "openai"}
+        del run["prompt"]
+        batchinfer.run(run, executor="ray" if out == "ray" else "local")
+        got = {}
+        for name in ("results.jsonl", "errors.jsonl"):
+            for x in (tmp_path / out / name).read_text().splitlines():
+                r = json.loads(x)
+                body = (r["response"] or {}).get("body", {})
+                got[r["custom_id"]] = (name, [c["message"]["content"] for c in body.get("choices", [])], r["error"])
+        return got
+
+    local, on_ray = answers("local"), answers("ray")
+    assert sorted(on_ray) == ["c0", "c1", "c2", "c3", "c4", "c5", "c9"] and on_ray == local
+    assert on_ray["c9"][0] == "errors.jsonl"
+    rejects = [json.loads(x) for x in (tmp_path / "ray" / REJECTS).read_text().splitlines()]
+    assert [(r["line"], r["reason"].split(" (")[0]) for r in rejects] == [(7, "duplicate custom_id 'c1'")]

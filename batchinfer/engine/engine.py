@@ -79,6 +79,7 @@ class _Read:
     rows: list[tuple[Sequence, int]]  # (sequence, token) of every row whose token is used
     verdicts: list[Verdict]  # the grammar's verdict per row (GrammarState.accept)
     fill: StartedFill | None  # masks of the next step's rows, started
+    logprobs: Any = None  # the step's engine.logprobs.StepLogprobs, when some row asked
 
 
 @dataclass
@@ -266,8 +267,9 @@ class Engine:
                 tokens = self._device_call(self.runner.sample_tokens, logits, sampling, bans, bitmask)
             else:
                 tokens = torch.empty(0, dtype=torch.int64, device=self.runner.device)
+            logprobs = self.runner.token_logprobs(logits, sampling, tokens) if sampling else None
             self._phase("sample_launch")
-            self._inflight = _InFlight(step, sampling, SampledTokens(tokens), (*marks, sample_start))
+            self._inflight = _InFlight(step, sampling, SampledTokens(tokens, logprobs), (*marks, sample_start))
             self._last_end = self._inflight.tokens.event
             for row, (seq, ok) in enumerate(zip(sampling, live)):
                 if ok:
@@ -335,7 +337,7 @@ class Engine:
         verdicts = self.grammar.accept(rows)
         fill = self.grammar.start_fill(next_sampling, rows, verdicts) if next_sampling else None
         self._phase("grammar_accept")
-        return _Read(now, rows, verdicts, fill)
+        return _Read(now, rows, verdicts, fill, flight.tokens.logprobs)
 
     def _finish_read(self, read: "_Read") -> tuple[list[Result], StartedFill | None]:
         """Second half: swap each placeholder for its token, check stops, finish sequences."""
@@ -343,6 +345,8 @@ class Engine:
         results = []
         for (seq, token), verdict in zip(rows, verdicts):
             seq.token_ids.pop()  # the placeholder
+            if read.logprobs is not None and seq.logprobs is not None:
+                seq.logprobs.append(read.logprobs.entry(seq.pending_row, token))
             seq.pending_row, seq.final_pending = None, False
             if append_token(seq, token, now, verdict, self.eos_token_ids, self.max_model_len, self.tokenizer):
                 self.scheduler.finish(seq)

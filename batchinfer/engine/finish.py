@@ -77,4 +77,5 @@ def make_result(seq: Sequence) -> Result:
         error=seq.error,
         times=RequestTimes(seq.arrived, seq.scheduled, seq.first_token, seq.finished),
         num_preemptions=seq.num_preemptions,
+        logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
     )

@@ -32,6 +32,7 @@ from batchinfer.engine import kv_budget
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes
 from batchinfer.engine.kv_cache import allocate_kv_cache
+from batchinfer.engine.logprobs import StepLogprobs, step_logprobs
 from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.sampler import SamplingBatch, ban_tokens_, make_sampling_batch, sample
 from batchinfer.engine.sequence import Sequence
@@ -83,9 +84,11 @@ class SampledTokens:
     `tensor`) and copied, without blocking the host, into pinned host memory; `tolist()` waits for
     that copy only (a CUDA event), not for work launched after it."""
 
-    def __init__(self, device_tokens: torch.Tensor) -> None:
+    def __init__(self, device_tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> None:
         self.tensor = device_tokens
         self.event: torch.cuda.Event | None = None  # a timing event: it also ends the step's timeline
+        # the rows' logprobs (engine/logprobs.py), when some row asked: copied with the tokens, read after tolist()
+        self.logprobs = logprobs.to_host_async() if logprobs is not None else None
         if device_tokens.device.type == "cuda":
             self._host = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
             self._host.copy_(device_tokens, non_blocking=True)
@@ -365,6 +368,15 @@ class ModelRunner:
 
             apply_token_bitmask_(logits, bitmask.to(self.device, non_blocking=True))
         return sample(logits, self.sampling_batch(sampling))
+
+    def token_logprobs(self, logits: torch.Tensor, sampling: Seq[Sequence], tokens: torch.Tensor) -> StepLogprobs | None:
+        """Logprobs of the sampled tokens for the rows whose request asks (None, at no cost, when none
+        does): from the logits sample_tokens drew from (bans and mask applied). Launching only."""
+        asks = [(i, s.request.sampling.logprobs) for i, s in enumerate(sampling) if s.request.sampling.logprobs is not None]
+        if not asks:
+            return None
+        with torch.inference_mode():
+            return step_logprobs(logits, asks, tokens)
 
     def mark(self) -> torch.cuda.Event | None:
         """A timing event recorded now on the current CUDA stream (None on the CPU): the engine

@@ -10,6 +10,12 @@ engine finishes them as soon as it reads that token.
 
 Admission reserves the blocks a sequence will need while it decodes (prompt + max_tokens, the
 output part capped), not just its prompt, so preemption stays rare.
+
+Identical prompts (a job's n answers of one row): a waiting sequence whose whole shareable prefix is
+being prefilled right now by a running sequence waits (sequences behind it are admitted meanwhile)
+until those blocks are computed and published, then shares them: n answers prefill their prompt once.
+Blocks are only published after the step that computes them, so admitted together they would all
+compute it. A prompt that shares only part of its prefix (a common system prompt) is never held back.
 """
 
 from __future__ import annotations
@@ -189,13 +195,25 @@ class Scheduler:
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         if not self.waiting:
             return
+        held: list[Sequence] = []  # waiting for a running sequence to publish their prompt's blocks
+        try:
+            self._admit_waiting(step, budget, held)
+        finally:
+            self.waiting.extendleft(reversed(held))  # back at the front, in their order
+
+    def _admit_waiting(self, step: ScheduledStep, budget: int, held: list[Sequence]) -> None:
         outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)
         # A final_pending sequence is done as soon as its token is read: its slot is free already
         # (it is never scheduled again, so steps still hold at most max_num_seqs rows).
         active = sum(1 for s in self.running if not s.final_pending)
+        in_progress = self._prefixes_in_progress() if self.config.enable_prefix_sharing else set()
         while self.waiting and budget > 0 and active < self.config.max_num_seqs:
             seq = self.waiting[0]
             shared = self._match_prefix(seq) if self.config.enable_prefix_sharing else []
+            whole = self._whole_prefix(seq)
+            if whole is not None and len(shared) < whole[0] and whole[1] in in_progress:
+                held.append(self.waiting.popleft())
+                continue
             need = self._reserved_blocks(seq) - len(shared)
             spare = self.allocator.num_free - outstanding - need
             if self.running and spare < 0:  # its reservation does not fit next to the running ones
@@ -215,6 +233,8 @@ class Scheduler:
             outstanding += max(0, self._reserved_blocks(seq) - len(seq.block_ids))
             self._add_to_step(step, seq, n)
             budget -= n
+            if whole is not None and len(shared) < whole[0]:
+                in_progress.add(whole[1])
 
     def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Chained hashes of the first num_blocks full blocks, extending the cached list."""
@@ -223,6 +243,25 @@ class Scheduler:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
+
+    def _whole_prefix(self, seq: Sequence) -> tuple[int, bytes] | None:
+        """(blocks, hash) of the prompt's whole shareable prefix (every full block before its last
+        token); None for a prompt shorter than two blocks' worth. Only prompt tokens are hashed."""
+        blocks = (seq.num_prompt_tokens - 1) // self.block_size
+        if blocks == 0:
+            return None
+        if len(seq.block_hashes) < blocks:
+            self._full_block_hashes(seq, blocks)
+        return blocks, seq.block_hashes[blocks - 1]
+
+    def _prefixes_in_progress(self) -> set[bytes]:
+        """Whole-prefix hashes of the running sequences whose prompt blocks are not all published yet
+        (a decoding sequence has published them: only the few still prefilling are hashed)."""
+        out = set()
+        for s in self.running:
+            if s.num_registered_blocks < (s.num_prompt_tokens - 1) // self.block_size:
+                out.add(self._whole_prefix(s)[1])  # type: ignore[index]
+        return out
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Blocks in use that hold this sequence's leading full blocks; the last token is never

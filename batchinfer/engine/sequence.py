@@ -61,6 +61,7 @@ class Sequence:
     # once by the model runner (sampling parameters never change during a request)
     sampling_row: tuple | None = None
     text: str = ""
+    logprobs: list[Any] | None = None  # TokenLogprob per output token, when the request asks
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrived: float = 0.0
@@ -79,6 +80,7 @@ class Sequence:
             max_tokens=request.sampling.max_tokens,
             seed=seed,
             arrived=arrived,
+            logprobs=[] if request.sampling.logprobs is not None else None,
         )
 
     @property

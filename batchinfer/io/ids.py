@@ -1,13 +1,18 @@
 """Whole-job checks of the id column, done cheaply with polars before a run starts.
 
 A missing id column or a duplicate id affects every row (resume could not tell rows apart), so the
-job is refused up front, naming one duplicate and the files/rows where it occurs.
+job is refused up front, naming one duplicate and the files/rows where it occurs. For OpenAI Batch
+files (`duplicates="reject"`) a repeated custom_id is a bad line instead: the first occurrence (in
+file order, then line order: the same on every run) is the row, every later one a reject naming it,
+so each id still has exactly one row.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Literal
 
 import polars as pl
 
@@ -18,7 +23,8 @@ from batchinfer.io.readers import InputError, InputFile, _open_text, input_colum
 class IdCheck:
     """Every usable id of the input (as text, with where it is), and how many rows have one."""
 
-    ids: pl.DataFrame  # columns: id (str), file (str), line (int)
+    ids: pl.DataFrame  # columns: id (str), file (str), line (int); one row per id
+    rejected: dict[tuple[str, int], str] = field(default_factory=dict)  # (file, line) of a repeated id -> why
 
     @property
     def num_rows(self) -> int:
@@ -80,8 +86,9 @@ def _jsonl_ids(f: InputFile, id_column: str, kinds: dict[str, str]) -> pl.LazyFr
     return pl.LazyFrame({"id": ids, "file": [f.path] * len(ids), "line": lines}, schema={"id": pl.Utf8, "file": pl.Utf8, "line": pl.Int64})
 
 
-def check_ids(files: list[InputFile], id_column: str) -> IdCheck:
-    """Refuse a missing id column or duplicate ids; return all ids (for counting pending rows)."""
+def check_ids(files: list[InputFile], id_column: str, duplicates: Literal["stop", "reject"] = "stop") -> IdCheck:
+    """Refuse a missing id column or (duplicates "stop") duplicate ids; return all ids (for counting
+    pending rows). duplicates "reject": later occurrences of an id become `rejected` lines."""
     kinds: dict[str, str] = {}  # kind of id -> where it is first seen
     frames = [_parquet_ids(f, id_column, kinds) if f.format == "parquet" else _jsonl_ids(f, id_column, kinds) for f in files]
     if len(kinds) > 1:
@@ -100,8 +107,22 @@ def check_ids(files: list[InputFile], id_column: str) -> IdCheck:
         .head(1)
         .collect()
     )
+    if dups.height and duplicates == "reject":
+        return _reject_repeats(ids, id_column)
     if dups.height:
         row = dups.row(0, named=True)
         where = "; ".join(f"{fi} line {li}" for fi, li in list(zip(row["file"], row["line"]))[:3])
         raise InputError(f"duplicate id {row['id']!r} in column '{id_column}' ({len(row['file'])} times: {where})")
     return IdCheck(ids)
+
+
+def _reject_repeats(ids: pl.DataFrame, id_column: str) -> IdCheck:
+    """Keep each id's first occurrence (files in order, lines ascending); the later ones are rejected."""
+    first = ids.select(pl.col("id").is_first_distinct()).to_series()
+    kept = ids.filter(first)
+    where = {r["id"]: (r["file"], r["line"]) for r in kept.filter(pl.col("id").is_in(ids.filter(~first)["id"].implode())).iter_rows(named=True)}
+    rejected = {}
+    for r in ids.filter(~first).iter_rows(named=True):
+        f, line = where[r["id"]]
+        rejected[(r["file"], r["line"])] = f"duplicate {id_column} {r['id']!r} (first at {Path(f).name} line {line}, which is the one answered)"
+    return IdCheck(kept, rejected)

@@ -32,6 +32,7 @@ from batchinfer.io.layout import MANIFEST, REJECTS, manifest_path  # noqa: F401 
 log = logging.getLogger(__name__)
 
 LOCK = "_lock"
+OPENAI_FILES = ("results.jsonl", "errors.jsonl")  # output.format openai (io/openai_batch.py), beside the manifest
 TMP_PREFIX = "_tmp."
 PART_RE = re.compile(r"^part-(\d{6})\.parquet$")
 FINGERPRINT_KEY = b"batchinfer.fingerprint"
@@ -148,11 +149,11 @@ def has_output(folder: Path) -> bool:
 
 
 def clear_output(folder: Path) -> None:
-    """--overwrite: remove our files (parts, manifest, rejects, temps); leave anything else alone."""
+    """--overwrite: remove our files (parts, manifest, rejects, OpenAI-shaped results, temps); leave anything else alone."""
     if not folder.is_dir():
         return
     for p in folder.iterdir():
-        if p.is_file() and (PART_RE.match(p.name) or p.name in (MANIFEST, REJECTS) or _is_temp(p.name)):
+        if p.is_file() and (PART_RE.match(p.name) or p.name in (MANIFEST, REJECTS, *OPENAI_FILES) or _is_temp(p.name)):
             p.unlink()
     fsync_dir(folder)
 

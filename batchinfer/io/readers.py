@@ -12,11 +12,13 @@ import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import pyarrow.parquet as pq
 
 SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".ndjson": "jsonl"}
+# input.format -> how a file is read (an OpenAI Batch file is JSONL; its lines are read in requests.py)
+READ_AS = {"parquet": "parquet", "jsonl": "jsonl", "openai": "jsonl"}
 
 
 class InputError(ValueError):
@@ -50,7 +52,7 @@ class Row:
 
 def _format_of(path: str, forced: str) -> str | None:
     if forced != "auto":
-        return forced
+        return READ_AS[forced]
     name = path.lower()
     for suffix, fmt in SUFFIXES.items():
         if name.endswith(suffix):
@@ -88,8 +90,13 @@ def _open_text(path: str):
     return open(path, "r", encoding="utf-8", errors="replace")
 
 
-def iter_jsonl(file: InputFile, id_column: str, batch_size: int) -> Iterator[list[Row | Reject]]:
-    """Yield batches of Rows and Rejects from one JSONL(.gz) file, in line order."""
+def iter_jsonl(
+    file: InputFile, id_column: str, batch_size: int, rejected: Mapping[int, str] | None = None
+) -> Iterator[list[Row | Reject]]:
+    """Yield batches of Rows and Rejects from one JSONL(.gz) file, in line order.
+
+    rejected: line -> reason for lines that have an id but are rejected anyway (a repeated OpenAI
+    custom_id: io/ids.py)."""
     batch: list[Row | Reject] = []
     try:
         with _open_text(file.path) as fh:
@@ -108,6 +115,8 @@ def iter_jsonl(file: InputFile, id_column: str, batch_size: int) -> Iterator[lis
                         batch.append(Reject(file.path, n, line[:200].rstrip("\n"), f"id column '{id_column}' is {what}"))
                     elif isinstance(obj[id_column], (dict, list)):
                         batch.append(Reject(file.path, n, line[:200].rstrip("\n"), f"id column '{id_column}' is not a scalar"))
+                    elif rejected and n in rejected:
+                        batch.append(Reject(file.path, n, line[:200].rstrip("\n"), rejected[n]))
                     else:
                         batch.append(Row(obj, file.path, n))
                 if len(batch) >= batch_size:
@@ -139,13 +148,26 @@ def iter_parquet(file: InputFile, id_column: str, batch_size: int, columns: list
         raise InputError(f"cannot read {file.path}: {e}") from None
 
 
-def iter_rows(files: list[InputFile], id_column: str, batch_size: int, columns: list[str] | None = None) -> Iterator[list[Row | Reject]]:
-    """All files in order, batch by batch. `columns` (Parquet only) limits what is read."""
+def iter_rows(
+    files: list[InputFile],
+    id_column: str,
+    batch_size: int,
+    columns: list[str] | None = None,
+    rejected: Mapping[tuple[str, int], str] | None = None,
+) -> Iterator[list[Row | Reject]]:
+    """All files in order, batch by batch. `columns` (Parquet only) limits what is read; `rejected`
+    ((file, line) -> reason) names JSONL lines to reject although they have an id."""
     for f in files:
         if f.format == "parquet":
             yield from iter_parquet(f, id_column, batch_size, columns)
         else:
-            yield from iter_jsonl(f, id_column, batch_size)
+            yield from iter_jsonl(f, id_column, batch_size, lines_of(rejected, f.path))
+
+
+def lines_of(rejected: Mapping[tuple[str, int], str] | None, path: str) -> dict[int, str] | None:
+    """The rejected lines of one file (None when it has none)."""
+    lines = {line: why for (f, line), why in (rejected or {}).items() if f == path}
+    return lines or None
 
 
 def input_columns(file: InputFile) -> list[str] | None:

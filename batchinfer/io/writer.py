@@ -35,13 +35,11 @@ RESULT_FIELDS = [
 ]
 
 
-def output_schema(key_types: dict[str, pa.DataType | None], output_type: pa.DataType | None) -> dict[str, pa.DataType | None]:
-    """Column name -> type of an output part; None types are inferred from the first part's values."""
+def output_schema(key_types: dict[str, pa.DataType | None], result_columns: dict[str, pa.DataType]) -> dict[str, pa.DataType | None]:
+    """Column name -> type of an output part: the id and kept columns, then the result columns (the
+    job's: results.ResultConverter.columns); None types are inferred from the first part's values."""
     cols: dict[str, pa.DataType | None] = dict(key_types)
-    for f in RESULT_FIELDS:
-        cols[f.name] = f.type
-    if output_type is not None:
-        cols["output"] = output_type
+    cols.update(result_columns)
     return cols
 
 

@@ -157,6 +157,7 @@ def _run_plan(plan: JobPlan, executor: Executor, hooks: RunHooks, observe: Obser
         rejects_path = out / mf.REJECTS
         rejects = sum(1 for _ in rejects_path.open()) if rejects_path.exists() else 0
         s = summarize(plan, rejects, Progress(), 0.0, nothing_to_do=True)
+        write_output_formats(plan, changed=False)
         log.debug("%s", s.describe())
         return s
     log.info("%d of %d rows to do (%d already in %s); executor: %s", pending, plan.ids.num_rows,
@@ -164,6 +165,7 @@ def _run_plan(plan: JobPlan, executor: Executor, hooks: RunHooks, observe: Obser
     obs = _start_observer(observe)
     if obs is None:
         s = executor.run(plan, hooks)
+        write_output_formats(plan)
     else:
         watched = dataclasses.replace(
             hooks, on_row=_chain(obs.on_row, hooks.on_row), on_step=_chain(obs.on_step, hooks.on_step),
@@ -177,6 +179,46 @@ def _run_plan(plan: JobPlan, executor: Executor, hooks: RunHooks, observe: Obser
             except Exception as e:  # the run's own failure matters more
                 log.warning("observer: %s", e)
             raise
+        write_output_formats(plan)
         s = _finish_observer(obs, plan, s)
     log.debug("%s", s.describe())
     return s
+
+
+def write_output_formats(plan: JobPlan, changed: bool = True) -> None:
+    """output.format openai: results.jsonl / errors.jsonl from the committed parts (io/openai_batch.py);
+    unless `changed`, only when they are missing or behind the parts (a kill while they were written)."""
+    if plan.spec.output.format != "openai":
+        return
+    from batchinfer.io import openai_batch
+
+    m = plan.manifest
+    folder = m.path.parent
+    if not changed and openai_batch.up_to_date(folder, sum(p.rows for p in m.parts)):
+        return
+    piece = _token_pieces(plan) if plan.spec.sampling.logprobs is not None else (lambda token_id: None)
+    ok, bad = openai_batch.write_output_files(
+        folder, [Path(p) for p in m.part_paths], plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
+    )
+    log.info("wrote %s (%d lines) and %s (%d lines)", openai_batch.RESULTS, ok, openai_batch.ERRORS, bad)
+
+
+def model_name(spec: JobSpec) -> str:
+    """The model's name in OpenAI-shaped output: its folder's name, or the hub id."""
+    path = Path(spec.model.path)
+    return path.name if path.is_dir() else spec.model.path
+
+
+def _token_pieces(plan: JobPlan) -> Callable[[int], str | None]:
+    """token id -> its text (cached), for logprobs in OpenAI-shaped output."""
+    from batchinfer.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(plan.model_dir)
+    cache: dict[int, str] = {}
+
+    def piece(token_id: int) -> str:
+        if token_id not in cache:
+            cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return cache[token_id]
+
+    return piece

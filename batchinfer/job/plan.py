@@ -68,11 +68,17 @@ def fingerprint_components(spec: JobSpec, model_dir: Path) -> dict[str, Any]:
         structured = {"kind": c.kind, "value": c.value, "whitespace": c.whitespace, "backend": spec.grammar_backend}
     return {
         "model": {"files": model_components(model_dir), "dtype": spec.model.dtype, "max_model_len": spec.model.max_model_len},
-        "prompt": spec.prompt.model_dump(mode="json"),
-        "sampling": spec.sampling.model_dump(mode="json"),
+        "prompt": _without(spec.prompt.model_dump(mode="json"), {"messages": None}),
+        "sampling": _without(spec.sampling.model_dump(mode="json"), {"n": 1, "logprobs": None}),
         "structured": structured,
         "columns": {"id": spec.input.id_column, "keep": list(spec.output.keep_columns)},
     }
+
+
+def _without(fields: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """fields less the later-added ones still at their default: output written before they existed
+    keeps its fingerprint (and resumes)."""
+    return {k: v for k, v in fields.items() if not (k in defaults and v == defaults[k])}
 
 
 def check_schema(spec: JobSpec, tokenizer: Any, vocab_size: int) -> None:
@@ -129,7 +135,7 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     files = [f for f in list_input_files(spec.input.path, spec.input.format) if not Path(f.path).is_relative_to(out.resolve())]
     if not files:
         raise InputError(f"input.path: no input files outside output.path ({out})")
-    ids = check_ids(files, spec.input.id_column)
+    ids = check_ids(files, spec.input.id_column, spec.input.duplicates)
     types = key_types(spec, files)
     if spec.structured is not None:
         _check_schema_of_model(spec, model_dir)
@@ -195,7 +201,7 @@ def pending_rows(plan: JobPlan, columns: list[str] | None = None) -> Iterator[Ro
     """Stage 2: input rows not yet in the output (and rejects), streamed batch by batch."""
     id_col = plan.spec.input.id_column
     done = plan.finished.implode()
-    for batch in iter_rows(plan.files, id_col, plan.spec.input.batch_size, columns):
+    for batch in iter_rows(plan.files, id_col, plan.spec.input.batch_size, columns, plan.ids.rejected):
         if plan.finished.is_empty():
             yield from batch
             continue

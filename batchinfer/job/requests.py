@@ -1,11 +1,17 @@
-"""Stage 3 of a job: a row becomes an engine Request (prompt rendered and tokenised), or a RowError."""
+"""Stage 3 of a job: a row becomes engine Requests (prompt rendered and tokenised), or a RowError.
+
+A row with n answers (`sampling.n`, or an OpenAI line's body.n) becomes n requests of one prompt,
+ids `<rid>.<i>`, answer i drawing with seed + i (so the answers differ and each is reproducible;
+answer 0 is the answer an n = 1 job gives). The engine's prefix sharing computes their prompt once.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from batchinfer.engine.request import Request
+from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.io.readers import Row
 from batchinfer.job.spec import JobSpec
 from batchinfer.job.prompts import PromptBuilder, RowError
@@ -27,15 +33,25 @@ class RowMeta:
     excerpt: str | None = None  # the start of the row's template columns, for the run report
 
 
+def answer_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Answer `index` of a row: seed + index (no seed: the engine draws one per answer)."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + index)
+
+
 class RequestBuilder:
-    """Stage 3: a row becomes a Request (or a RowError naming what is wrong with it)."""
+    """Stage 3: a row becomes its Requests (or a RowError naming what is wrong with it)."""
 
     def __init__(self, spec: JobSpec, tokenizer: Any, max_model_len: int, constraint: Any) -> None:
         self.spec = spec
         self.prompts = PromptBuilder(spec.prompt, tokenizer)
         self.max_model_len = max_model_len
         self.sampling = spec.sampling.to_params()
+        self.n = spec.sampling.n
         self.constraint = constraint
+        self.openai = spec.input.format == "openai"
+        self.whitespace = spec.structured.whitespace if spec.structured is not None else "compact"
         self.key_names = [spec.input.id_column] + [c for c in spec.output.keep_columns if c != spec.input.id_column]
 
     def keys(self, row: Row) -> dict[str, Any]:
@@ -45,12 +61,21 @@ class RequestBuilder:
         """What the writer and the run records keep of a row while it is in the engine."""
         return RowMeta(self.keys(row), row.file, row.line, excerpt=input_excerpt(row.values, self.prompts.columns))
 
-    def build(self, row: Row, request_id: str) -> Request:
+    def build(self, row: Row, request_id: str) -> list[Request]:
+        """The row's requests: one per answer (all with one constraint; see the module docstring)."""
+        sampling, constraint, n = self.sampling, self.constraint, self.n
+        if self.openai:
+            from batchinfer.io.openai_batch import line_request
+
+            line = line_request(row.values, sampling, n, sampling.logprobs, constraint, self.whitespace)
+            sampling, constraint, n = line.sampling, line.constraint, line.n
         text, ids = self.prompts.encode(row.values)
         if len(ids) >= self.max_model_len:
             limit = self.max_model_len
             raise RowError(f"prompt has {len(ids)} tokens; the model allows at most {limit - 1} (max_model_len {limit})")
-        return Request(request_id, ids, self.sampling, self.constraint, text)
+        if n == 1:
+            return [Request(request_id, ids, sampling, constraint, text)]
+        return [Request(f"{request_id}.{i}", ids, answer_sampling(sampling, i), constraint, text) for i in range(n)]
 
 
 def input_excerpt(values: dict[str, Any], columns: list[str], limit: int = EXCERPT_CHARS) -> str | None:

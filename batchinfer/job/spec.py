@@ -56,16 +56,43 @@ class ModelSpec(BaseModel):
         return v  # a hub id (`org/name`)
 
 
+OPENAI_ID = "custom_id"  # the id of a line of an OpenAI Batch file
+OPENAI_MESSAGES = "body.messages"  # where its chat is
+
+
 class InputSpec(BaseModel):
     """Where the rows come from."""
 
     model_config = _STRICT
     path: str = Field(description="a file, folder or glob of .parquet / .jsonl / .jsonl.gz files")
-    id_column: str = Field(description="unique key of a row")
-    format: Literal["auto", "parquet", "jsonl"] = Field("auto", description="auto: from each file's extension")
+    id_column: str | None = Field(None, description="unique key of a row (required; custom_id for format openai)")
+    format: Literal["auto", "parquet", "jsonl", "openai"] = Field(
+        "auto", description="auto: from each file's extension; openai: OpenAI Batch JSONL (custom_id, method, url, body)"
+    )
     batch_size: int = Field(1024, ge=1, description="rows per read batch")
 
     _resolve_path = field_validator("path")(_resolve)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_id(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("format") == "openai":
+            if data.get("id_column") not in (None, OPENAI_ID):
+                raise ValueError(f"input.id_column: the id of an OpenAI Batch line is {OPENAI_ID} (got {data['id_column']!r})")
+            data = {**data, "id_column": OPENAI_ID}
+        return data
+
+    @model_validator(mode="after")
+    def _id_column(self) -> "InputSpec":
+        if self.id_column is None:
+            raise ValueError("missing required key 'input.id_column'")
+        return self
+
+    @property
+    def duplicates(self) -> Literal["stop", "reject"]:
+        """A duplicate id stops the job (resume could not tell the rows apart); in an OpenAI Batch
+        file the repeats of a custom_id are bad lines (rejected), the first one is answered."""
+        return "reject" if self.format == "openai" else "stop"
 
 
 class OutputSpec(BaseModel):
@@ -76,17 +103,31 @@ class OutputSpec(BaseModel):
     keep_columns: tuple[str, ...] = Field((), description="input columns copied through (the id column always is)")
     rows_per_part: int = Field(5000, ge=1, description="a part file is committed after this many rows")
     seconds_per_part: float = Field(60.0, gt=0, description="... or after this many seconds")
+    format: Literal["parquet", "openai"] = Field(
+        "parquet", description="openai: also write results.jsonl and errors.jsonl in the OpenAI Batch output shape"
+    )
 
     _resolve_path = field_validator("path")(_resolve)
 
 
 class PromptSpec(BaseModel):
-    """How a row becomes a prompt: a sandboxed Jinja template over the row's columns."""
+    """How a row becomes a prompt: a sandboxed Jinja template over the row's columns, or a column of chat messages."""
 
     model_config = _STRICT
-    template: str = Field(description="Jinja over the row's columns, e.g. 'Summarise: {{ text }}'")
+    template: str | None = Field(None, description="Jinja over the row's columns, e.g. 'Summarise: {{ text }}'")
+    messages: str | None = Field(
+        None, description="instead of template: a column holding a list of {role, content} chat messages (a.b: a nested field)"
+    )
     system: str | None = Field(None, description="system message (chat) or a prefix line (no chat)")
     chat: bool | None = Field(None, description="apply the model's chat template; default: when it has one")
+
+    @model_validator(mode="after")
+    def _one(self) -> "PromptSpec":
+        if self.template is not None and self.messages is not None:
+            raise ValueError("prompt: give template or messages, not both")
+        if self.messages is not None and self.chat is False:
+            raise ValueError("prompt.messages is rendered with the model's chat template: it cannot have chat: false")
+        return self
 
 
 class SamplingSpec(BaseModel):
@@ -104,6 +145,10 @@ class SamplingSpec(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = Field(1, ge=1, le=128, description="answers per row (each its own request, seed + i); n > 1: the `answers` column")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="the chosen tokens' logprobs and the top-K alternatives (K = this) as output columns"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "SamplingSpec":
@@ -111,7 +156,8 @@ class SamplingSpec(BaseModel):
         return self
 
     def to_params(self) -> SamplingParams:
-        return SamplingParams(**self.model_dump())
+        """The engine's SamplingParams of one answer (n is the job's: that many requests per row)."""
+        return SamplingParams(**self.model_dump(exclude={"n"}))
 
 
 class StructuredSpec(BaseModel):
@@ -203,7 +249,7 @@ class JobSpec(BaseModel):
     model: ModelSpec
     input: InputSpec
     output: OutputSpec
-    prompt: PromptSpec
+    prompt: PromptSpec = PromptSpec()
     sampling: SamplingSpec = SamplingSpec()
     structured: StructuredSpec | None = None
     engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
@@ -245,8 +291,24 @@ class JobSpec(BaseModel):
         data["structured"] = {**structured, "backend": value}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_messages(cls, data: Any) -> Any:
+        """An OpenAI Batch input's chat is each line's body.messages: that is its prompt.messages."""
+        if isinstance(data, dict) and isinstance(data.get("input"), dict) and data["input"].get("format") == "openai":
+            prompt = data.get("prompt") or {}
+            if isinstance(prompt, dict):
+                if prompt.get("template") is not None:
+                    raise ValueError(f"prompt.template: with input.format openai the prompt is each line's {OPENAI_MESSAGES}")
+                if prompt.get("messages") not in (None, OPENAI_MESSAGES):
+                    raise ValueError(f"prompt.messages: with input.format openai it is {OPENAI_MESSAGES}")
+                data = {**data, "prompt": {**prompt, "messages": OPENAI_MESSAGES}}
+        return data
+
     @model_validator(mode="after")
     def _engine_ok(self) -> "JobSpec":
+        if self.prompt.template is None and self.prompt.messages is None:
+            raise ValueError("missing required key 'prompt.template' (or prompt.messages: a column of chat messages)")
         self.engine_config()
         return self
 
@@ -350,8 +412,10 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             msg = e["msg"].removeprefix("Value error, ")
             if e["type"] != "value_error":
                 lines.append(f"{where}: {msg} (got {e.get('input')!r})")
-            else:  # a check across fields names them in its message
-                lines.append(f"{where}: {msg}" if loc else msg)
+            elif not loc or msg.startswith(("missing required key", f"{where}.", f"{where}:")):
+                lines.append(msg)  # the message names its key itself
+            else:
+                lines.append(f"{where}: {msg}")
     seen = list(dict.fromkeys(lines))
     return f"invalid job {source}:\n  " + "\n  ".join(seen)
 

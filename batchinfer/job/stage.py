@@ -20,7 +20,7 @@ from batchinfer.io.writer import PartWriter, existing_schema, output_schema
 from batchinfer.job.plan import JobPlan
 from batchinfer.job.prompts import PromptBuilder, RowError
 from batchinfer.job.requests import RequestBuilder, RowMeta
-from batchinfer.job.results import RESULT_NAMES, ResultConverter
+from batchinfer.job.results import RESULT_NAMES, AnswerGroups, ResultConverter
 from batchinfer.job.spec import JobSpec
 from batchinfer.job.summary import Progress, RowRecord
 
@@ -66,12 +66,14 @@ def row_stages(spec: JobSpec, engine: Any) -> RowStages:
     """The request builder (the engine's tokenizer and length limit) and result converter of a job."""
     constraint = constraint_of(spec)
     builder = RequestBuilder(spec, engine.tokenizer, max_model_len(spec, engine), constraint)
-    return RowStages(builder, ResultConverter(spec, constraint))
+    return RowStages(builder, ResultConverter(spec, constraint, engine.tokenizer))
 
 
 def read_columns(spec: JobSpec, template_columns: Iterable[str]) -> list[str]:
-    """The input columns a job reads: its id, the kept columns and those its prompt template reads."""
-    return sorted({spec.input.id_column, *spec.output.keep_columns, *template_columns})
+    """The input columns a job reads: its id, the kept columns, those its prompt reads, and an OpenAI
+    Batch line's method, url and body (read in requests.py)."""
+    line = ("method", "url", "body") if spec.input.format == "openai" else ()
+    return sorted({spec.input.id_column, *spec.output.keep_columns, *template_columns, *line})
 
 
 def template_columns(spec: JobSpec, model_dir: Path) -> list[str]:
@@ -87,7 +89,7 @@ def output_columns(plan: JobPlan) -> dict[str, Any]:
     Output written before a column existed keeps its schema: every part of a folder has the same columns.
     """
     converter = ResultConverter(plan.spec, constraint_of(plan.spec))
-    columns = output_schema(plan.key_types, converter.output_type)
+    columns = output_schema(plan.key_types, converter.columns)
     if plan.manifest.parts:
         names = set(existing_schema(plan.output_dir, plan.manifest.parts[0].name).names)
         columns = {k: v for k, v in columns.items() if k in names or k not in RESULT_NAMES}
@@ -132,7 +134,7 @@ def execute(
     """
     builder, converter = stages.builder, stages.converter
     key = builder.key_names[0]
-    inflight: dict[str, RowMeta] = {}
+    inflight = AnswerGroups()  # a row's answers (sampling.n) come back one by one
 
     def finish(row: dict[str, Any], record: RowRecord) -> None:
         if on_row:  # before writer.add: a part committed by it then has its rows' records flushed with it
@@ -153,24 +155,27 @@ def execute(
             rid = str(n)
             n += 1
             try:
-                req = builder.build(item, rid)
+                reqs = builder.build(item, rid)
             except RowError as e:
                 msg = f"{e} ({Path(item.file).name} line {item.line})"
                 record = RowRecord(meta.keys[key], "error", 0, 0, error=msg, excerpt=meta.excerpt)
                 finish(converter.error_row(meta, msg), record)
                 continue
-            inflight[rid] = meta
-            yield req
+            inflight.open(rid, meta, reqs)
+            yield from reqs
 
     for result in engine.generate(requests()):
-        meta = inflight.pop(result.request_id)
-        row = converter.row(meta, result)
+        group = inflight.add(result)
+        if group is None:
+            continue  # more answers of its row to come
+        row = converter.row(group.meta, group.results, group.constraint)
+        first = group.results[0]
         record = RowRecord(
-            meta.keys[key], row["finish_reason"], result.prompt_tokens, result.completion_tokens,
-            result.times, result.num_preemptions, row["error"], result, meta.excerpt,
+            group.meta.keys[key], row["finish_reason"], first.prompt_tokens, row["completion_tokens"],
+            first.times, first.num_preemptions, row["error"], first, group.meta.excerpt,
         )
         finish(row, record)
         writer.maybe_flush()
     if inflight:
-        raise RunError(f"the engine ended without results for {len(inflight)} request(s)")
+        raise RunError(f"the engine ended without results for {len(inflight)} row(s)")
 

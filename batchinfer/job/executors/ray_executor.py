@@ -158,18 +158,20 @@ def file_rejects_path(out: Path, index: int) -> Path:
     return Path(out) / f"{mf.TMP_PREFIX}rejects.{index:06d}.jsonl"
 
 
-def read_jsonl_files(batch: pa.Table, id_column: str, columns: list[str], batch_size: int, out: str) -> Iterator[pa.Table]:
+def read_jsonl_files(batch: pa.Table, id_column: str, columns: list[str], batch_size: int, out: str,
+                     rejected: dict[str, dict[int, str]] | None = None) -> Iterator[pa.Table]:
     """A Ray Data UDF: read the listed JSONL files with the local reader, yield their rows (bounded blocks).
 
     Each file's rejects go to file_rejects_path(out, index), written under a `.part` name and renamed when the
     file is done, so the driver only ever joins complete reject lists (a retried task rewrites its file).
+    rejected: path -> {line: reason} of lines rejected although they have an id (io/ids.py, OpenAI files).
     """
     keep = set(columns)
     for path, index in zip(batch.column("file").to_pylist(), batch.column("index").to_pylist()):
         final = file_rejects_path(Path(out), index)
         partial = final.with_name(final.name + ".part")
         with open(partial, "w", encoding="utf-8") as rf:
-            for items in iter_jsonl(InputFile(path, "jsonl"), id_column, batch_size):
+            for items in iter_jsonl(InputFile(path, "jsonl"), id_column, batch_size, (rejected or {}).get(path)):
                 blobs, lines = [], []
                 for item in items:
                     if isinstance(item, Reject):
@@ -186,8 +188,11 @@ def read_jsonl_files(batch: pa.Table, id_column: str, columns: list[str], batch_
         partial.replace(final)
 
 
-def _read(ray: Any, files: list[Any], columns: list[str], id_column: str, batch_size: int, out: Path) -> Any:
+def _read(ray: Any, files: list[Any], columns: list[str], id_column: str, batch_size: int, out: Path,
+          rejected: dict[tuple[str, int], str] | None = None) -> Any:
     """One Ray dataset over the job's input files (Parquet: only the columns the job reads; JSONL: see read_jsonl_files)."""
+    from batchinfer.io.readers import lines_of
+
     parquet = [f.path for f in files if f.format == "parquet"]
     jsonl = [{"file": f.path, "index": i} for i, f in enumerate(files) if f.format != "parquet"]
     parts = []
@@ -199,7 +204,8 @@ def _read(ray: Any, files: list[Any], columns: list[str], id_column: str, batch_
         listing = ray.data.from_items(jsonl, override_num_blocks=len(jsonl))
         parts.append(listing.map_batches(
             read_jsonl_files, batch_size=1, batch_format="pyarrow",
-            fn_kwargs={"id_column": id_column, "columns": columns, "batch_size": batch_size, "out": str(out)},
+            fn_kwargs={"id_column": id_column, "columns": columns, "batch_size": batch_size, "out": str(out),
+                       "rejected": {f["file"]: lines_of(rejected, f["file"]) for f in jsonl if lines_of(rejected, f["file"])}},
         ))
     ds = parts[0]
     return ds.union(*parts[1:]) if len(parts) > 1 else ds
@@ -263,7 +269,7 @@ def _engine_stage(ray: Any, plan: JobPlan, needed: list[str], columns: dict[str,
     finished = pa.array(plan.finished.to_list(), pa.string())
     counter = _counter_actor(ray, mf.next_part_number(out))
     batch_rows = max(1, min(spec.output.rows_per_part, 8 * spec.engine.max_num_seqs))
-    ds = _read(ray, plan.files, needed, spec.input.id_column, spec.input.batch_size, out).map_batches(
+    ds = _read(ray, plan.files, needed, spec.input.id_column, spec.input.batch_size, out, plan.ids.rejected).map_batches(
         EngineActor,
         fn_constructor_kwargs={
             "job": spec.model_dump(mode="json"), "folder": str(out), "fingerprint": plan.manifest.fingerprint,

@@ -196,8 +196,13 @@ def test_unreadable_manifest_is_a_clear_error(tmp_path):
         mf.Manifest.load(tmp_path)
 
 
-def test_check_ids_refuses_mixed_id_types(tmp_path):
+def test_check_ids_mixed_id_types_share_one_text_type(tmp_path):
+    """Ints in one file and strings in another: one common output type (string, the canonical key);
+    an int and its text are one id, so they are duplicates."""
     pq.write_table(pa.table({"id": [1, 2]}), tmp_path / "1.parquet")
     write_jsonl(tmp_path / "2.jsonl", [{"id": 3}, {"id": "x4"}])
-    with pytest.raises(InputError, match=r"mixes types \(integer at .*1.parquet; string at .*2.jsonl line 2\)"):
+    ids = check_ids(list_input_files(str(tmp_path)), "id")
+    assert sorted(ids.ids["id"].to_list()) == ["1", "2", "3", "x4"] and ids.id_type.type == pa.string()
+    write_jsonl(tmp_path / "3.jsonl", [{"id": "2"}])
+    with pytest.raises(InputError, match=r"duplicate id '2'.*1.parquet line 2; .*3.jsonl line 1"):
         check_ids(list_input_files(str(tmp_path)), "id")

@@ -10,7 +10,8 @@ A kill between 1 and 2 leaves a committed-but-unrecorded part. On start we RECOV
 the manifest; an unreadable one is deleted; one of another fingerprint stops the run (never deleted
 without --overwrite). A recovered part's rows were pending
 when it was written, so they are in no other part: recovering it never duplicates a row. Stray temp
-files (`_tmp.*`, `.*.tmp`) are deleted. Finished ids come from the recorded parts (polars lazy scan).
+files (`_tmp.*`, `.*.tmp`) are deleted. Finished ids come from the recorded parts, compared by their
+canonical key (id_key.py) whatever type each part holds them in.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer.io.layout import MANIFEST, REJECTS, manifest_path  # noqa: F401  (names re-exported)
@@ -129,10 +131,16 @@ class Manifest:
         return [str(self.folder / p.name) for p in self.parts]
 
     def finished_ids(self) -> pl.Series:
-        """Ids (as text) of every row in the recorded parts: the truth for resume (a compact Series)."""
-        if not self.parts:
+        """Canonical keys (batchinfer.io.id_key) of the ids in the recorded parts: the truth for resume.
+
+        Read part by part: parts may hold the id in different types (an output whose id type widened)."""
+        from batchinfer.io.id_key import array_keys
+
+        keys = [array_keys(pq.read_table(str(self.folder / p.name), columns=[self.id_column]).column(self.id_column))
+                for p in self.parts]
+        if not keys:
             return pl.Series("id", [], dtype=pl.Utf8)
-        return pl.scan_parquet(self.part_paths).select(pl.col(self.id_column).cast(pl.Utf8).alias("id")).collect().to_series()
+        return pl.Series("id", pl.from_arrow(pa.chunked_array(keys, pa.string())), dtype=pl.Utf8).drop_nulls()
 
 
 def part_files(folder: Path) -> list[str]:

@@ -1,8 +1,9 @@
 """Streaming readers for Parquet, JSONL and JSONL.gz shards.
 
 Rows come out in bounded batches of plain dicts (what the prompt template reads), so memory stays
-flat for any input size. A JSONL line that is not a JSON object (or has no id) cannot become an
-output row: it becomes a `Reject` (file, line number, start of the line, reason) instead.
+flat for any input size. A JSONL line that is not valid UTF-8, not a JSON object, or has no usable
+id (null, missing, a list, NaN...) cannot become an output row: it becomes a `Reject` (file, line
+number, start of the line, reason) instead. Every Row carries its id's canonical key (id_key.py).
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 import glob as globlib
 import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import pyarrow.parquet as pq
+
+from batchinfer.io.id_key import IdError
+from batchinfer.io.id_key import key as id_key
 
 SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".ndjson": "jsonl"}
 # input.format -> how a file is read (an OpenAI Batch file is JSONL; its lines are read in requests.py)
@@ -48,6 +53,11 @@ class Row:
     values: dict[str, Any]
     file: str
     line: int
+    key: str | None = None  # the id's canonical key (batchinfer.io.id_key), set by the readers
+
+    def id_key(self, id_column: str) -> str:
+        """The canonical key of this row's id (computed when the row was made elsewhere)."""
+        return self.key if self.key is not None else id_key(self.values[id_column])
 
 
 def _format_of(path: str, forced: str) -> str | None:
@@ -84,10 +94,62 @@ def list_input_files(path: str, fmt: str = "auto") -> list[InputFile]:
     return files
 
 
-def _open_text(path: str):
+BOM = b"\xef\xbb\xbf"
+
+
+def _open_binary(path: str):
     if path.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, "r", encoding="utf-8", errors="replace")
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes) of each line of a JSONL(.gz) file; a UTF-8 BOM at the start is skipped."""
+    with _open_binary(path) as fh:
+        for n, raw in enumerate(fh, start=1):
+            if n == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM):]
+            yield n, raw
+
+
+def _excerpt(raw: bytes) -> str:
+    """The start of a line for a reject record (undecodable bytes shown as \\xNN escapes)."""
+    return raw[:200].decode("utf-8", errors="backslashreplace").rstrip("\r\n")
+
+
+def parse_jsonl_line(raw: bytes, n: int, path: str, id_column: str) -> Row | Reject | None:
+    """One JSONL line as a Row (with its id's canonical key), a Reject, or None for a blank line.
+
+    Bytes are decoded strictly: a line that is not valid UTF-8 is rejected (file, line, byte offset),
+    never silently changed, so an id always joins back to its source byte for byte.
+    """
+    if not raw.strip():
+        return None
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Reject(path, n, _excerpt(raw), f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start} of the line)")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return Reject(path, n, _excerpt(raw), f"not valid JSON: {e.msg}")
+    if not isinstance(obj, dict):
+        return Reject(path, n, _excerpt(raw), f"not a JSON object (a {type(obj).__name__})")
+    return _row_or_reject(obj, path, n, id_column, lambda: _excerpt(raw))
+
+
+def _row_or_reject(values: dict[str, Any], path: str, n: int, id_column: str, text: Any) -> Row | Reject:
+    v = values.get(id_column)
+    if v is None:
+        what = "null" if id_column in values else "missing"
+        return Reject(path, n, text(), f"id column '{id_column}' is {what}")
+    if isinstance(v, (dict, list)):
+        return Reject(path, n, text(), f"id column '{id_column}' is not a scalar")
+    try:
+        k = id_key(v)
+    except IdError as e:
+        return Reject(path, n, text(), f"id column '{id_column}' {e}")
+    return Row(values, path, n, k)
 
 
 def iter_jsonl(
@@ -99,30 +161,17 @@ def iter_jsonl(
     custom_id: io/ids.py)."""
     batch: list[Row | Reject] = []
     try:
-        with _open_text(file.path) as fh:
-            for n, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    batch.append(Reject(file.path, n, line[:200].rstrip("\n"), f"not valid JSON: {e.msg}"))
-                else:
-                    if not isinstance(obj, dict):
-                        batch.append(Reject(file.path, n, line[:200].rstrip("\n"), f"not a JSON object (a {type(obj).__name__})"))
-                    elif obj.get(id_column) is None:
-                        what = "null" if id_column in obj else "missing"
-                        batch.append(Reject(file.path, n, line[:200].rstrip("\n"), f"id column '{id_column}' is {what}"))
-                    elif isinstance(obj[id_column], (dict, list)):
-                        batch.append(Reject(file.path, n, line[:200].rstrip("\n"), f"id column '{id_column}' is not a scalar"))
-                    elif rejected and n in rejected:
-                        batch.append(Reject(file.path, n, line[:200].rstrip("\n"), rejected[n]))
-                    else:
-                        batch.append(Row(obj, file.path, n))
-                if len(batch) >= batch_size:
-                    yield batch
-                    batch = []
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        for n, raw in jsonl_lines(file.path):
+            item = parse_jsonl_line(raw, n, file.path, id_column)
+            if item is None:
+                continue
+            if rejected and n in rejected and isinstance(item, Row):
+                item = Reject(file.path, n, _excerpt(raw), rejected[n])
+            batch.append(item)
+            if len(batch) >= batch_size:
+                yield batch
+                batch = []
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise InputError(f"cannot read {file.path}: {e}") from None
     if batch:
         yield batch
@@ -139,10 +188,7 @@ def iter_parquet(file: InputFile, id_column: str, batch_size: int, columns: list
             out: list[Row | Reject] = []
             for values in rb.to_pylist():
                 line += 1
-                if values.get(id_column) is None:
-                    out.append(Reject(file.path, line, json.dumps(values, default=str)[:200], f"id column '{id_column}' is null"))
-                else:
-                    out.append(Row(values, file.path, line))
+                out.append(_row_or_reject(values, file.path, line, id_column, lambda: json.dumps(values, default=str)[:200]))
             yield out
     except OSError as e:
         raise InputError(f"cannot read {file.path}: {e}") from None

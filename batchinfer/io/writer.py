@@ -17,6 +17,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchinfer.io.id_key import to_output
 from batchinfer.io.manifest import FINGERPRINT_KEY, TMP_PREFIX, Manifest, PartInfo, fsync_dir, next_part_number
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,10 @@ class PartWriter:
 
     def _table(self, rows: list[dict[str, Any]]) -> pa.Table:
         schema = self._resolve_schema()
+        id_col = self.manifest.id_column
+        if id_col in schema.names:  # the id as a value of the output's id type (same canonical key)
+            typ = schema.field(id_col).type
+            rows = [{**r, id_col: to_output(r.get(id_col), typ)} for r in rows]
         try:
             return pa.Table.from_pylist(rows, schema=schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
@@ -111,6 +116,8 @@ class PartWriter:
         """A row whose kept column does not fit the part's type: null it and say so in `error`."""
         row = dict(row)
         for f in schema:
+            if f.name == self.manifest.id_column:
+                continue  # the id type holds every input id (plan: id_key.common_type); never null an id
             try:
                 pa.array([row.get(f.name)], type=f.type)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):

@@ -16,9 +16,11 @@ import polars as pl
 import pyarrow as pa
 
 from batchinfer.io import manifest as mf
-from batchinfer.io.ids import IdCheck, check_ids
+from batchinfer.io.id_key import common_type, normalize_type
+from batchinfer.io.ids import IdCheck, check_ids, describe_types
 from batchinfer.io.model_files import model_components
 from batchinfer.io.readers import InputError, InputFile, Reject, Row, input_columns, iter_rows, list_input_files
+from batchinfer.io.resume import HASH_COLUMN, Finished, parts_to_widen, read_finished, rewrite_parts, row_hash
 from batchinfer.io.writer import existing_schema
 from batchinfer.job.spec import JobError, JobSpec
 
@@ -37,10 +39,13 @@ class JobPlan:
     ids: IdCheck
     model_dir: Path
     manifest: mf.Manifest
-    finished: pl.Series  # ids (as text) already in the output
+    finished: pl.Series  # canonical keys (io/id_key.py) of the ids already in the output
     key_types: dict[str, pa.DataType | None]
     recovered: int = 0
     lock: Any = None  # the output folder's lock (an open file); close() releases it
+    outside_rows: int = 0  # committed rows whose id is in none of the current input files (inputs gone)
+    outside_errors: int = 0  # ... of those, rows with an error
+    redone: int = 0  # committed rows dropped because their input row changed (input.check_content)
 
     def close(self) -> None:
         if self.lock is not None:
@@ -66,12 +71,15 @@ def fingerprint_components(spec: JobSpec, model_dir: Path) -> dict[str, Any]:
     if s is not None:
         c = s.constraint()
         structured = {"kind": c.kind, "value": c.value, "whitespace": c.whitespace, "backend": spec.grammar_backend}
+        if c.max_string_length is not None:
+            structured["max_string_length"] = c.max_string_length
     return {
         "model": {"files": model_components(model_dir), "dtype": spec.model.dtype, "max_model_len": spec.model.max_model_len},
         "prompt": _without(spec.prompt.model_dump(mode="json"), {"messages": None}),
         "sampling": _without(spec.sampling.model_dump(mode="json"), {"n": 1, "logprobs": None}),
         "structured": structured,
-        "columns": {"id": spec.input.id_column, "keep": list(spec.output.keep_columns)},
+        "columns": {"id": spec.input.id_column, "keep": list(spec.output.keep_columns),
+                    **({"check_content": True} if spec.input.check_content else {})},
     }
 
 
@@ -108,8 +116,12 @@ def resolve_model(spec: JobSpec) -> Path:
         raise JobError(f"model.path: {e}") from None
 
 
-def key_types(spec: JobSpec, files: list[InputFile]) -> dict[str, pa.DataType | None]:
-    """Output types of the id and kept columns: from the first Parquet file that has them, else inferred."""
+def key_types(spec: JobSpec, files: list[InputFile], ids: IdCheck | None = None) -> dict[str, pa.DataType | None]:
+    """Output types of the id and kept columns.
+
+    The id: the common type of every input file's ids (io/id_key.py; widened again with the committed
+    parts' type when the output is opened). Kept columns: from the first Parquet file that has them,
+    else inferred from the first part."""
     names = [spec.input.id_column] + [c for c in spec.output.keep_columns if c != spec.input.id_column]
     types: dict[str, pa.DataType | None] = {n: None for n in names}
     for f in files:
@@ -125,6 +137,11 @@ def key_types(spec: JobSpec, files: list[InputFile]) -> dict[str, pa.DataType | 
         for n in names:
             if types[n] is None:
                 types[n] = schema.field(n).type
+    common = ids.id_type if ids is not None else None
+    if common is not None:
+        types[spec.input.id_column] = common.type
+    if spec.input.check_content:
+        types[HASH_COLUMN] = pa.string()
     return types
 
 
@@ -136,7 +153,7 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     if not files:
         raise InputError(f"input.path: no input files outside output.path ({out})")
     ids = check_ids(files, spec.input.id_column, spec.input.duplicates)
-    types = key_types(spec, files)
+    types = key_types(spec, files, ids)
     if spec.structured is not None:
         _check_schema_of_model(spec, model_dir)
     components = fingerprint_components(spec, model_dir)
@@ -188,10 +205,69 @@ def _open_output(
         log.warning("deleted %d unreadable part file(s); their rows will be done again", deleted)
     if recovered:
         log.info("recovered %d committed part(s) missing from the manifest", recovered)
+    finished = read_finished(manifest, spec.input.id_column)
+    key_types = _widen_ids(spec, manifest, ids, finished, key_types)
+    redone = _check_content(spec, files, manifest, finished) if spec.input.check_content else 0
+    if redone:
+        finished = read_finished(manifest, spec.input.id_column)
     if manifest.parts:
         schema = existing_schema(out, manifest.parts[0].name)
-        key_types = {n: schema.field(n).type if n in schema.names else t for n, t in key_types.items()}
-    return JobPlan(spec, files, ids, model_dir, manifest, manifest.finished_ids(), key_types, recovered, lock)
+        key_types = {n: schema.field(n).type if n in schema.names and n != spec.input.id_column else t for n, t in key_types.items()}
+    unique = finished.rows.unique("id", keep="first", maintain_order=True)
+    current = unique.join(ids.ids.select("id"), on="id", how="semi")
+    gone, twice = unique.height - current.height, finished.rows.height - unique.height
+    outside = gone + twice
+    outside_errors = int(finished.rows["error"].sum()) - int(current["error"].sum())
+    if gone:
+        log.warning("%d committed row(s) in %s have ids that are in none of the current input files (inputs "
+                    "deleted or changed); they are kept, and not counted as rows of this job's input", gone, out)
+    if twice:
+        log.warning("%d committed row(s) in %s repeat an id of another committed row (written by an older "
+                    "version); only one of each is counted", twice, out)
+    return JobPlan(spec, files, ids, model_dir, manifest, current["id"], key_types, recovered, lock,
+                   outside, outside_errors, redone)
+
+
+def _widen_ids(spec: JobSpec, manifest: mf.Manifest, ids: IdCheck, finished: Finished,
+               key_types: dict[str, pa.DataType | None]) -> dict[str, pa.DataType | None]:
+    """The output id type that holds every id of the inputs and the committed parts; rewrite older
+    parts written with a narrower type (an int32 output meeting int64 or string ids), keys unchanged."""
+    id_col = spec.input.id_column
+    sources = list(ids.types) + list(finished.part_types.values())
+    common = common_type(sources)
+    if common is None:
+        return key_types
+    if len({str(normalize_type(s.type)) for s in sources if not pa.types.is_null(s.type)}) > 1:
+        log.info("id column '%s' has several types (%s): the output holds it as %s", id_col, describe_types(sources), common.type)
+    old = parts_to_widen(finished, common.type)
+    if old:
+        log.info("rewriting %d committed part(s) with the id column as %s", len(old), common.type)
+        rewrite_parts(manifest, id_col, old, common.type)
+    return {**key_types, id_col: common.type}
+
+
+def _check_content(spec: JobSpec, files: list[InputFile], manifest: mf.Manifest, finished: Finished) -> int:
+    """input.check_content: committed rows whose input row changed since are taken out of their parts
+    (so they are done again, still once); returns how many."""
+    stored = finished.rows.filter(pl.col("hash").is_not_null()).select("id", "hash")
+    if stored.height == 0:
+        return 0
+    keys: list[str] = []
+    hashes: list[str] = []
+    for batch in iter_rows(files, spec.input.id_column, spec.input.batch_size):
+        for item in batch:
+            if isinstance(item, Row):
+                keys.append(item.id_key(spec.input.id_column))
+                hashes.append(row_hash(item.values))
+    now = pl.DataFrame({"id": keys, "now": hashes}, schema={"id": pl.Utf8, "now": pl.Utf8})
+    changed = stored.join(now, on="id", how="inner").filter(pl.col("hash") != pl.col("now"))
+    if changed.height == 0:
+        return 0
+    parts = sorted(set(finished.rows.join(changed.select("id"), on="id", how="semi")["part"].to_list()))
+    n = rewrite_parts(manifest, spec.input.id_column, parts, drop=changed["id"])
+    log.warning("%d committed row(s) have changed input since they were answered (input.check_content); "
+                "they are done again (first: id %r)", n, changed["id"][0])
+    return n
 
 
 # ---- stage 2: pending rows ----------------------------------------------------------------------------
@@ -201,11 +277,13 @@ def pending_rows(plan: JobPlan, columns: list[str] | None = None) -> Iterator[Ro
     """Stage 2: input rows not yet in the output (and rejects), streamed batch by batch."""
     id_col = plan.spec.input.id_column
     done = plan.finished.implode()
+    if plan.spec.input.check_content:
+        columns = None  # the content hash covers the whole row
     for batch in iter_rows(plan.files, id_col, plan.spec.input.batch_size, columns, plan.ids.rejected):
         if plan.finished.is_empty():
             yield from batch
             continue
-        keys = pl.Series([str(i.values[id_col]) if isinstance(i, Row) else "" for i in batch], dtype=pl.Utf8)
+        keys = pl.Series([i.id_key(id_col) if isinstance(i, Row) else None for i in batch], dtype=pl.Utf8)
         skip = keys.is_in(done).to_list()
         for item, is_done in zip(batch, skip):
             if not (is_done and isinstance(item, Row)):

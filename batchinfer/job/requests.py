@@ -13,6 +13,7 @@ from typing import Any
 
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.io.readers import Row
+from batchinfer.io.resume import HASH_COLUMN, row_hash
 from batchinfer.job.spec import JobSpec
 from batchinfer.job.prompts import PromptBuilder, RowError
 
@@ -31,6 +32,7 @@ class RowMeta:
     line: int
     prompt_tokens: int = 0
     excerpt: str | None = None  # the start of the row's template columns, for the run report
+    key: str = ""  # the id's canonical key (io/id_key.py): what run records and resume compare
 
 
 def answer_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -55,11 +57,15 @@ class RequestBuilder:
         self.key_names = [spec.input.id_column] + [c for c in spec.output.keep_columns if c != spec.input.id_column]
 
     def keys(self, row: Row) -> dict[str, Any]:
-        return {k: row.values.get(k) for k in self.key_names}
+        out = {k: row.values.get(k) for k in self.key_names}
+        if self.spec.input.check_content:
+            out[HASH_COLUMN] = row_hash(row.values)
+        return out
 
     def meta(self, row: Row) -> RowMeta:
         """What the writer and the run records keep of a row while it is in the engine."""
-        return RowMeta(self.keys(row), row.file, row.line, excerpt=input_excerpt(row.values, self.prompts.columns))
+        return RowMeta(self.keys(row), row.file, row.line, excerpt=input_excerpt(row.values, self.prompts.columns),
+                       key=row.id_key(self.key_names[0]))
 
     def build(self, row: Row, request_id: str) -> list[Request]:
         """The row's requests: one per answer (all with one constraint; see the module docstring)."""

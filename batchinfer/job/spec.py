@@ -70,6 +70,11 @@ class InputSpec(BaseModel):
         "auto", description="auto: from each file's extension; openai: OpenAI Batch JSONL (custom_id, method, url, body)"
     )
     batch_size: int = Field(1024, ge=1, description="rows per read batch")
+    check_content: bool = Field(
+        False,
+        description="store a hash of each input row (column input_hash); on resume, rows whose input changed "
+        "since they were answered are done again (default: a finished id keeps its answer)",
+    )
 
     _resolve_path = field_validator("path")(_resolve)
 

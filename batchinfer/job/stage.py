@@ -158,7 +158,7 @@ def execute(
                 reqs = builder.build(item, rid)
             except RowError as e:
                 msg = f"{e} ({Path(item.file).name} line {item.line})"
-                record = RowRecord(meta.keys[key], "error", 0, 0, error=msg, excerpt=meta.excerpt)
+                record = RowRecord(meta.key, "error", 0, 0, error=msg, excerpt=meta.excerpt)
                 finish(converter.error_row(meta, msg), record)
                 continue
             inflight.open(rid, meta, reqs)
@@ -171,7 +171,7 @@ def execute(
         row = converter.row(group.meta, group.results, group.constraint)
         first = group.results[0]
         record = RowRecord(
-            group.meta.keys[key], row["finish_reason"], first.prompt_tokens, row["completion_tokens"],
+            group.meta.key, row["finish_reason"], first.prompt_tokens, row["completion_tokens"],
             first.times, first.num_preemptions, row["error"], first, group.meta.excerpt,
         )
         finish(row, record)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class RowRecord:
     """Per-row timing record (for metrics): what happened to one row in the engine."""
 
-    row_id: Any
+    row_id: Any  # the id's canonical key (io/id_key.py)
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
@@ -62,9 +62,11 @@ class RunSummary:
 
     output_path: str
     input_rows: int  # rows with an id, over all input files
-    rows_done: int  # rows committed in the output (all runs)
+    rows_done: int  # rows of the current input files committed in the output (all runs)
     error_rows: int  # of those, rows with an error (all runs)
     rejects: int  # input lines with no usable id (see _rejects.jsonl)
+    outside_rows: int = 0  # committed rows whose id is in none of the current input files (kept, not counted)
+    redone_rows: int = 0  # committed rows whose input changed, taken out to be done again (input.check_content)
     this_run_rows: int = 0
     this_run_errors: int = 0
     prompt_tokens: int = 0
@@ -91,6 +93,11 @@ class RunSummary:
                 f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens) -> {self.output_path}"
             )
         tail = f"\noutput holds {self.rows_done} of {self.input_rows} rows; {self.error_rows} with errors"
+        if self.outside_rows:
+            tail += (f"\n{self.outside_rows} more committed rows belong to inputs that are gone "
+                     "(ids in none of the current input files); they are kept and not counted")
+        if self.redone_rows:
+            tail += f"\n{self.redone_rows} rows were done again because their input changed (input.check_content)"
         if self.rejects:
             tail += f"; {self.rejects} input lines rejected (see {Path(self.output_path) / mf.REJECTS})"
         if self.report_path:
@@ -111,9 +118,11 @@ def summarize(
     return RunSummary(
         output_path=str(plan.output_dir),
         input_rows=plan.ids.num_rows,
-        rows_done=sum(p.rows for p in m.parts),
-        error_rows=sum(p.errors for p in m.parts),
+        rows_done=sum(p.rows for p in m.parts) - plan.outside_rows,
+        error_rows=sum(p.errors for p in m.parts) - plan.outside_errors,
         rejects=rejects,
+        outside_rows=plan.outside_rows,
+        redone_rows=plan.redone,
         this_run_rows=stats.rows,
         this_run_errors=stats.errors,
         prompt_tokens=stats.prompt_tokens,

@@ -34,11 +34,15 @@ CHOICE_FIELD = "answer"  # the one field of a choice / regex job: its output tex
 
 
 def output_frame(manifest: Manifest | None) -> pl.LazyFrame | None:
-    """The committed parts as one LazyFrame with the id column added as text `_id` (None: no output)."""
+    """The committed parts as one LazyFrame with the id's canonical key (io/id_key.py, what the row
+    records hold) added as `_id` (None: no output)."""
     if manifest is None or not manifest.parts or not manifest.id_column:
         return None
+    from batchinfer.io.id_key import array_keys
+
     lf = pl.scan_parquet(manifest.part_paths, missing_columns="insert", extra_columns="ignore")
-    return lf.with_columns(pl.col(manifest.id_column).cast(pl.Utf8).alias("_id"))
+    canonical = pl.col(manifest.id_column).map_batches(lambda s: pl.from_arrow(array_keys(s.to_arrow())), return_dtype=pl.Utf8)
+    return lf.with_columns(canonical.alias("_id"))
 
 
 # ------------------------------------------------------------------------------------- field kinds

@@ -243,7 +243,7 @@ class Coordinator:
                 if not unit:
                     break
                 self._unit_id += 1
-                w.outstanding.update((str(r.values[self.id_column]), r) for r in unit)
+                w.outstanding.update((r.id_key(self.id_column), r) for r in unit)
                 w.unpulled += 1
                 w.needs_drain = True
                 self._send(w, ("unit", self._unit_id, unit))

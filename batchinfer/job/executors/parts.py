@@ -12,8 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-import polars as pl
 import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchinfer.io.id_key import array_keys
+from batchinfer.io.id_key import key as id_key
 
 from batchinfer.io.manifest import Manifest, PartInfo
 from batchinfer.io.writer import PartWriter
@@ -56,7 +59,7 @@ class WorkerPartWriter(PartWriter):
     def flush(self) -> None:
         if not self._buffer:
             return
-        ids = [str(r[self.id_column]) for r in self._buffer]
+        ids = [id_key(r[self.id_column]) for r in self._buffer]
         self._next = self.next_number()
         self.detached.last = None
         super().flush()
@@ -66,8 +69,9 @@ class WorkerPartWriter(PartWriter):
 
 
 def part_ids(folder: Path, name: str, id_column: str) -> list[str]:
-    """The ids (as text, like Manifest.finished_ids) of one committed part."""
-    return pl.read_parquet(str(Path(folder) / name), columns=[id_column])[id_column].cast(pl.Utf8).to_list()
+    """The ids (canonical keys, like Manifest.finished_ids) of one committed part."""
+    col = pq.read_table(str(Path(folder) / name), columns=[id_column]).column(id_column)
+    return [k for k in array_keys(col).to_pylist() if k is not None]
 
 
 def infer_types(columns: dict[str, pa.DataType | None], rows: list[dict[str, Any]]) -> dict[str, pa.DataType | None]:

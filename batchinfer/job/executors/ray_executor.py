@@ -82,10 +82,12 @@ class EngineActor:
         """The Parquet rows of a batch that have an id and are not finished (null ids are rejects: see _write_rejects)."""
         import pyarrow.compute as pc
 
-        ids = batch.column(self.spec.input.id_column)
-        keep = pc.is_valid(ids)
+        from batchinfer.io.id_key import array_keys
+
+        keys = array_keys(batch.column(self.spec.input.id_column))  # canonical keys; null: no usable id
+        keep = pc.is_valid(keys)
         if len(self.finished):
-            keep = pc.and_(keep, pc.invert(pc.fill_null(pc.is_in(pc.cast(ids, pa.string()), value_set=self.finished), False)))
+            keep = pc.and_(keep, pc.invert(pc.fill_null(pc.is_in(keys, value_set=self.finished), False)))
         return batch.filter(keep)
 
     def _rows(self, batch: pa.Table) -> list[Any]:
@@ -99,8 +101,8 @@ class EngineActor:
             id_col = self.spec.input.id_column
             for blob, file, line in zip(*(jsonl.column(c).to_pylist() for c in JSONL_COLUMNS)):
                 rows.append(Row(pickle.loads(blob), file, line))
-            if rows and len(self.finished):  # the same anti-join as plan.pending_rows (ids as text)
-                keys = pa.array([str(r.values[id_col]) for r in rows], pa.string())
+            if rows and len(self.finished):  # the same anti-join as plan.pending_rows (canonical keys)
+                keys = pa.array([r.id_key(id_col) for r in rows], pa.string())
                 done = pc.is_in(keys, value_set=self.finished).to_pylist()
                 rows = [r for r, d in zip(rows, done) if not d]
             batch = batch.filter(pc.invert(is_jsonl)).drop_columns(list(JSONL_COLUMNS))

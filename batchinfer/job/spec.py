@@ -175,7 +175,14 @@ class StructuredSpec(BaseModel):
     backend: Literal["auto", "xgrammar", "llguidance", "outlines"] = Field(
         "auto", description="the grammar backend that compiles and enforces the constraint (validate, plan and the engine)"
     )
-    whitespace: Literal["compact", "flexible"] = "compact"
+    whitespace: Literal["compact", "flexible"] = Field(
+        "compact", description="compact: no whitespace between JSON tokens; flexible: at most 20 characters per gap"
+    )
+    max_string_length: int | None = Field(
+        None, ge=1,
+        description="json_schema only: the grammar ends every string at this many characters unless the schema "
+        "sets a smaller maxLength (an answer can then always finish; default: strings bounded only by the schema)",
+    )
 
     @field_validator("json_schema")
     @classmethod
@@ -191,6 +198,8 @@ class StructuredSpec(BaseModel):
             raise ValueError(f"give exactly one of json_schema, regex, choice (got {', '.join(given) or 'none'})")
         if self.choice is not None and not self.choice:
             raise ValueError("choice needs at least one option")
+        if self.max_string_length is not None and self.json_schema is None:
+            raise ValueError("max_string_length applies to json_schema only")
         return self
 
     def schema_dict(self) -> dict[str, Any] | None:
@@ -219,7 +228,7 @@ class StructuredSpec(BaseModel):
             return Constraint.regex(self.regex)
         if self.choice is not None:
             return Constraint.choice(list(self.choice))
-        return Constraint.json_schema(self.schema_dict(), whitespace=self.whitespace)
+        return Constraint.json_schema(self.schema_dict(), whitespace=self.whitespace, max_string_length=self.max_string_length)
 
 
 # EngineConfig fields a job sets elsewhere: model.path, model.dtype, model.max_model_len, structured.backend.

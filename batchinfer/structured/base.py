@@ -28,16 +28,19 @@ class Constraint:
     kind regex: value is the pattern.
     kind choice: value is a JSON list of the allowed strings.
     whitespace: compact (no free whitespace in JSON) | flexible.
+    max_string_length: json_schema only: the grammar bounds every string without a (smaller)
+      maxLength to this many characters (None: strings bounded only by the schema).
     """
 
     kind: ConstraintKind
     value: str
     whitespace: str = "compact"
+    max_string_length: int | None = None
 
     @staticmethod
-    def json_schema(schema: dict[str, Any] | str, whitespace: str = "compact") -> "Constraint":
+    def json_schema(schema: dict[str, Any] | str, whitespace: str = "compact", max_string_length: int | None = None) -> "Constraint":
         obj = json.loads(schema) if isinstance(schema, str) else schema
-        return Constraint("json_schema", json.dumps(obj, separators=(",", ":"), ensure_ascii=False), whitespace)
+        return Constraint("json_schema", json.dumps(obj, separators=(",", ":"), ensure_ascii=False), whitespace, max_string_length)
 
     @staticmethod
     def regex(pattern: str) -> "Constraint":

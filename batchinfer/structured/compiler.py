@@ -4,8 +4,10 @@ GrammarCompiler(tokenizer, vocab_size, backend="auto", cache_dir=None).compile(c
 returns a CompiledGrammar (from one of the backends, structured/registry.py) whose new_matcher()
 gives one sequence's state. backend="auto" tries the backends in registry.AUTO_ORDER and falls back
 when one cannot (or, asked `supports`, will not) compile a schema, so together they cover more
-schemas than any one library. Compiled forms of backends with a `library` are cached on disk, keyed
-by constraint, backend, library version and vocabulary fingerprint.
+schemas than any one library. Each backend compiles the constraint's bounded form (structured/bounds.py:
+every number fits int64/float64; answers are still validated against the schema as given). Compiled
+forms of backends with a `library` are cached on disk, keyed by constraint, backend, library version
+and vocabulary fingerprint.
 
 Per step, the batch calls (fill_next_token_bitmasks, start_fill, accept_tokens) group the matchers
 by the backend that made them (GrammarMatcher.backend) and make one call per library.
@@ -14,6 +16,7 @@ by the backend that made them (GrammarMatcher.backend) and make one call per lib
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -26,8 +29,11 @@ from typing import Any
 import torch
 
 from batchinfer.structured.base import CompiledGrammar, Constraint, GrammarBackend, GrammarError, GrammarMatcher
+from batchinfer.structured.bounds import BOUNDS_VERSION, bounded_constraint
 from batchinfer.structured.registry import AUTO_ORDER, BACKENDS, CompileLimits, backend_order, build_backend
 from batchinfer.structured.vocab import Vocab, as_vocab
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "AUTO_ORDER", "BACKENDS", "CompileLimits", "GrammarCompiler", "PendingFill", "backend_order",
@@ -133,6 +139,19 @@ class GrammarCompiler:
         raise GrammarError(f"no grammar backend can compile this {constraint.kind} — " + " | ".join(errors))
 
     def _compile_with(self, backend: GrammarBackend, constraint: Constraint) -> CompiledGrammar:
+        """Compile the bounded form of the constraint (structured/bounds.py) with one backend; the form
+        as given when the backend cannot compile the bounded one (logged: its numbers are then unbounded)."""
+        target = bounded_constraint(constraint, backend.name)
+        try:
+            return self._compile_one(backend, target)
+        except GrammarError as e:
+            if target is constraint:
+                raise
+            log.warning("%s cannot compile the bounded form of this schema (%s); compiling it as given, so its "
+                        "numbers%s are not length-bounded", backend.name, e, " and strings" if constraint.max_string_length else "")
+            return self._compile_one(backend, constraint)
+
+    def _compile_one(self, backend: GrammarBackend, constraint: Constraint) -> CompiledGrammar:
         """Compile with one backend (disk cache first where it has one), within limits.timeout_s."""
         path = self._cache_path(backend, constraint)
         if path is not None and path.exists():
@@ -149,7 +168,7 @@ class GrammarCompiler:
         if self.cache_dir is None or backend.library is None:
             return None
         h = hashlib.sha256()
-        for part in (constraint.kind, constraint.value, constraint.whitespace, backend.name,
+        for part in (constraint.kind, constraint.value, constraint.whitespace, BOUNDS_VERSION, backend.name,
                      metadata.version(backend.library), self.vocab.fingerprint):
             h.update(part.encode())
             h.update(b"\0")

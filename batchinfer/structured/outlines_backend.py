@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from batchinfer.structured.base import Constraint, GrammarError
+from batchinfer.structured.bounds import bounded_regex
 from batchinfer.structured.vocab import Vocab
 from batchinfer.structured.xgrammar_backend import FLEXIBLE_MAX_WHITESPACE, choice_regex
 
@@ -72,7 +73,8 @@ def outlines_unsupported(constraint: Constraint) -> str | None:
 
 
 def schema_regex(constraint: Constraint) -> str:
-    """The regex outlines-core matches for a constraint (JSON schemas converted by outlines-core)."""
+    """The regex outlines-core matches for a constraint (JSON schemas converted by outlines-core, with
+    bounded number patterns: see structured/bounds.py)."""
     if constraint.kind == "regex":
         return constraint.value
     if constraint.kind == "choice":
@@ -81,7 +83,7 @@ def schema_regex(constraint: Constraint) -> str:
 
     ws = rf"[ \n\t]{{0,{FLEXIBLE_MAX_WHITESPACE}}}" if constraint.whitespace == "flexible" else ""
     try:
-        return json_schema.build_regex_from_schema(constraint.value, ws)
+        return bounded_regex(json_schema.build_regex_from_schema(constraint.value, ws))  # numbers bounded (bounds.py)
     except Exception as e:  # outlines-core raises a ValueError-like error naming the construct
         raise GrammarError(f"outlines-core cannot convert the schema to a regex: {str(e)[:300]}") from e
 

@@ -1,7 +1,9 @@
 """The `batchinfer` command line (Typer).
 
 Exit codes: 0 done; 1 the run failed; 2 invalid job or arguments; 3 the run finished but the share of
-rows with errors is over --max-error-rate. A user's mistake is one clear message, never a traceback.
+rows with errors is over --max-error-rate; 75 (EX_TEMPFAIL) the run was stopped (SIGTERM, SIGINT,
+--stop-after) after committing what it had finished: run the same command again to resume. A user's
+mistake is one clear message, never a traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_ERROR_RATE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_ERROR_RATE, EXIT_STOPPED = 0, 1, 2, 3, 75
 SAMPLE_ROWS = 5
 
 JobArg = typer.Argument(..., help="the job file (YAML)", show_default=False)
@@ -78,27 +80,46 @@ def run(
         help="local: this host (engine.data_parallel engines); data_parallel: engine processes even for one; "
         "ray: a Ray cluster (pip install 'batchinfer[ray]')",
     ),
+    stop_after: Optional[str] = typer.Option(
+        None, "--stop-after", help="stop gracefully after this long (e.g. 90m, 2h, 3600s), exit 75; run again to resume"
+    ),
 ) -> None:
     """Run a job: stream the input through the model into Parquet; resumes where a previous run stopped.
 
-    Beside the output it writes `_report.json` and `_report.html` (see `batchinfer report`).
+    Beside the output it writes `_report.json` and `_report.html` (see `batchinfer report`). SIGTERM
+    or SIGINT (and --stop-after) stop it gracefully: finished rows committed, exit 75.
     """
-    from batchinfer.job.driver import run_job
+    from batchinfer.job.driver import SignalHandlers, run_job
+    from batchinfer.job.stop import StopRequest, Stopped, parse_duration
 
     _setup_logging(quiet, log_level)
+    stop = handlers = None
     try:
+        stop = StopRequest(parse_duration(stop_after))
+        handlers = SignalHandlers(stop, exit_code=EXIT_STOPPED).install()
         summary = run_job(
             job, overrides=set_ or [], overwrite=overwrite, progress=not quiet, metrics_port=metrics_port,
             metrics_textfile=metrics_textfile, log_token_ids=log_token_ids, trace_dir=trace, executor=executor,
+            stop=stop,
         )
     except _user_errors() as e:
         raise _fail(str(e), EXIT_INVALID) from None
-    except KeyboardInterrupt:
-        raise _fail("interrupted; run the same command again to resume", EXIT_FAILED) from None
+    except (Stopped, KeyboardInterrupt) as e:
+        why = e.reason if isinstance(e, Stopped) else "interrupted"
+        raise _fail(f"stopped ({why}); what was committed is kept; run the same command again to resume", EXIT_STOPPED) from None
     except Exception as e:
         logging.getLogger("batchinfer").debug("run failed", exc_info=True)
         raise _fail(f"the run failed: {type(e).__name__}: {e}", EXIT_FAILED) from None
+    finally:
+        # A process of its own keeps the handlers to its end, so a signal while it shuts down (threads
+        # being joined) exits quietly too; called in-process (tests, CliRunner) they are put back.
+        if handlers is not None and not _STANDALONE:
+            handlers.uninstall()
+        elif stop is not None:
+            stop.reason = stop.reason or "the run ended"  # a signal from now on: os._exit, one line
     typer.echo(summary.describe())
+    if summary.stopped:
+        raise _fail(f"stopped ({summary.stopped}); its finished rows are committed; run the same command again to resume", EXIT_STOPPED)
     if summary.error_rate > max_error_rate:
         raise _fail(f"{summary.error_rate:.1%} of rows have errors (over --max-error-rate {max_error_rate:g})", EXIT_ERROR_RATE)
 
@@ -126,7 +147,10 @@ def _load_for_checks(job: Path, set_: list[str]) -> tuple[Any, Any, Any, Any]:
     from batchinfer.models.loader import load_model_info, load_tokenizer
     from batchinfer.job.plan import key_types, resolve_model
 
+    from batchinfer.job.driver import check_device
+
     spec = load_job(job, set_)
+    check_device(spec.engine.device)
     model_dir = resolve_model(spec)
     info = load_model_info(str(model_dir), spec.model.dtype, _device(spec.engine.device))
     tokenizer = load_tokenizer(model_dir)
@@ -390,9 +414,15 @@ def _mount_bench() -> None:
 _mount_bench()
 
 
+_STANDALONE = False  # True when this process is the `batchinfer` command itself
+
+
 def main() -> None:  # pragma: no cover
+    global _STANDALONE
+    _STANDALONE = True
     app()
 
 
 if __name__ == "__main__":  # pragma: no cover
+    _STANDALONE = True
     app()

@@ -292,3 +292,39 @@ def test_every_id_exactly_once_across_kills(tiny_model, engines, files, kills):
         assert sorted(keys) == sorted(id_key(v) for v in values)  # every id exactly once
         assert s.rows_done == len(values) and s.error_rows == 0
         assert run(j, engine_factory=engines, report=False).nothing_to_do  # a finished job runs nothing
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(files=inputs())
+def test_every_id_exactly_once_after_sigkill_of_a_cli_run(tiny_model, engines, files):
+    """The same, with `kill -9` of a real CLI run once its manifest shows a committed part."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from batchinfer.io.id_key import array_keys, key as id_key
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        (tmp / "in").mkdir()
+        values = write_inputs(tmp / "in", files)
+        out = tmp / "out"
+        j = job(tiny_model, out, str(tmp / "in"), output={"rows_per_part": 1}, sampling={"max_tokens": 4})
+        (tmp / "job.yaml").write_text(yaml.safe_dump(j))
+        p = subprocess.Popen([sys.executable, "-m", "batchinfer.cli", "run", str(tmp / "job.yaml"), "-q"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        while committed(out) < 1 and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        run(j, engine_factory=engines, report=False)
+        keys = [k for f in sorted(out.glob("part-*.parquet")) for k in array_keys(pq.read_table(f, columns=["id"]).column("id")).to_pylist()]
+        assert sorted(keys) == sorted(id_key(v) for v in values)
+        assert run(j, engine_factory=engines, report=False).nothing_to_do

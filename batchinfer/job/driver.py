@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +25,7 @@ from batchinfer.job.executors.base import Executor, RunHooks
 from batchinfer.job.plan import JobPlan, plan_inputs
 from batchinfer.job.spec import JobError, JobSpec, load_job
 from batchinfer.job.stage import make_engine
+from batchinfer.job.stop import EXIT_STOPPED, StopRequest, parse_duration
 from batchinfer.job.summary import Progress, RowRecord, RunSummary, summarize
 from batchinfer.observe import ObserveOptions, Observer
 
@@ -44,8 +48,17 @@ def run_job(
     trace_dir: str | Path | None = None,
     report: bool = True,
     executor: str = "local",
+    stop_after: "str | float | None" = None,
+    handle_signals: bool = False,
+    stop: StopRequest | None = None,
 ) -> RunSummary:
     """Run a batch job (path, dict or JobSpec) to completion and return its summary.
+
+    Stopping early (job/stop.py): stop_after ('90m', '2h', seconds) is a deadline after which the run
+    stops gracefully; handle_signals=True makes SIGINT/SIGTERM do the same while the run lasts (main
+    thread only; the previous handlers come back after); or pass a StopRequest whose signals are
+    handled by the caller (the CLI: SignalHandlers). A stopped run returns its summary with `stopped`
+    set, its finished rows committed.
 
     progress: show a tqdm bar on stderr (only when it is a terminal; the CLI turns it on). on_row gets a RowRecord per
     finished row, on_progress the running counters, on_step the engine's per-step stats. Raises JobError/InputError for a
@@ -59,15 +72,78 @@ def run_job(
     executor: who runs the rows, by name (batchinfer/job/executors/__init__.py): local (this host:
     engine.data_parallel engines), data_parallel (engine processes even for one), ray (a Ray cluster).
     """
+    if stop is None and (stop_after is not None or handle_signals):
+        stop = StopRequest(parse_duration(stop_after))
+        handlers = SignalHandlers(stop).install() if handle_signals else None
+        try:
+            return run_job(job, overrides, overwrite, progress, engine_factory, on_row, on_progress, on_step,
+                           metrics_port=metrics_port, metrics_textfile=metrics_textfile, log_token_ids=log_token_ids,
+                           trace_dir=trace_dir, report=report, executor=executor, stop=stop)
+        finally:
+            if handlers is not None:
+                handlers.uninstall()
     spec = load_job(job, overrides)
+    if executor != "ray":
+        check_device(spec.engine.device)
     observe = observe_options(spec, metrics_port, metrics_textfile, log_token_ids, trace_dir, report)
     chosen = executor_for(executor, spec)  # an unknown name, or no Ray, is refused before planning
     plan = plan_inputs(spec, overwrite=overwrite)
     try:
-        hooks = RunHooks(engine_factory, on_row, on_progress, on_step, progress_bar=progress)
+        hooks = RunHooks(engine_factory, on_row, on_progress, on_step, progress_bar=progress, stop=stop)
         return _run_plan(plan, chosen, hooks, observe)
     finally:
         plan.close()
+
+
+class SignalHandlers:
+    """SIGINT and SIGTERM request a graceful stop of a run (its StopRequest; see job/stop.py).
+
+    The first signal asks the run to stop; a SECOND one (or any signal once the run is over, e.g. while
+    the process joins its threads) ends the process at once with os._exit(exit_code) and one line on
+    stderr, never a traceback: the commit protocol makes an exit at any moment safe.
+    """
+
+    def __init__(self, stop: StopRequest, exit_code: int = EXIT_STOPPED) -> None:
+        self.stop = stop
+        self.exit_code = exit_code
+        self._saved: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.stop.reason is not None:
+            try:
+                os.write(2, f"\nerror: {name} received again: exiting now; what is committed is kept; "
+                            "run the same command again to resume\n".encode())
+            finally:
+                os._exit(self.exit_code)
+        self.stop.request(f"{name} received")
+
+    def install(self) -> "SignalHandlers":
+        """Handle SIGINT and SIGTERM (main thread only; elsewhere Python cannot, and this is a no-op)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._saved[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before `install`."""
+        for sig, old in self._saved.items():
+            signal.signal(sig, old)
+        self._saved.clear()
+
+
+def check_device(device: str) -> None:
+    """Refuse an engine.device this machine does not have (the user's error: JobError, exit 2)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise JobError(f"engine.device is {device!r} but this machine has no usable CUDA GPU "
+                       "(torch.cuda.is_available() is False); use engine.device: cpu or auto")
+    _, _, index = device.partition(":")
+    if index.isdigit() and int(index) >= torch.cuda.device_count():
+        raise JobError(f"engine.device is {device!r} but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
 
 
 def observe_options(

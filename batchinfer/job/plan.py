@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -145,6 +146,18 @@ def key_types(spec: JobSpec, files: list[InputFile], ids: IdCheck | None = None)
     return types
 
 
+def check_writable(out: Path) -> None:
+    """Create the output folder and prove a file can be written in it (a read-only folder or file
+    system is the user's error: JobError, exit 2, before anything loads)."""
+    probe = out / f".probe-{os.getpid()}.tmp"  # a temp name: removed by the next start if left behind
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise JobError(f"output.path: cannot write to {out}: {e.strerror or e}") from None
+
+
 def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     """Stage 1: list files, check ids, open the output folder (recover, fingerprint check)."""
     model_dir = resolve_model(spec)
@@ -161,7 +174,7 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     hashes = mf.component_hashes(components)
     if out.exists() and not out.is_dir():
         raise JobError(f"output.path: {out} is a file, not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out)
     lock = mf.lock_output(out)
     try:
         return _open_output(spec, files, ids, model_dir, types, fp, hashes, overwrite, lock)

@@ -434,6 +434,16 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return f"invalid job {source}:\n  " + "\n  ".join(seen)
 
 
+def yaml_error(path: Path, e: "yaml.YAMLError") -> str:
+    """One line for a YAML syntax error: file:line:column and what the parser found (not its dump)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    what = f"{problem} ({context})" if context else problem
+    return f"{where}: not valid YAML: {what}"
+
+
 def load_job(
     job: "str | Path | dict[str, Any] | JobSpec",
     overrides: list[str] | tuple[str, ...] = (),
@@ -455,9 +465,11 @@ def load_job(
         if not path.is_file():
             raise JobError(f"job file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
-            raise JobError(f"{path}: not valid YAML: {e}") from None
+            raise JobError(yaml_error(path, e)) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise JobError(f"cannot read the job file {path}: {e}") from None
         if not isinstance(data, dict):
             raise JobError(f"{path}: a job file must be a YAML mapping (model, input, output, prompt, ...)")
         base_dir = path.resolve().parent

@@ -106,10 +106,15 @@ def reject_line(r: Reject) -> str:
 
 @contextmanager
 def rejects_file(out: Path) -> Iterator[Any]:
-    """`_rejects.jsonl` of a run, written under a temp name and put in place when the block ends without error."""
+    """`_rejects.jsonl` of a run, written under a temp name and put in place when the block ends without
+    error (a failed or stopped run leaves the last complete one; the next run writes them all again)."""
     tmp = Path(out) / f"{mf.TMP_PREFIX}{mf.REJECTS}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        yield f
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            yield f
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(Path(out) / mf.REJECTS)
 
 
@@ -125,13 +130,17 @@ def execute(
     progress: Progress,
     on_row: Callable[[RowRecord], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    should_stop: Callable[[], None] | None = None,
 ) -> None:
     """Feed rows to the engine lazily; write each result as it finishes (rejects to `rejects`, a text file).
 
     Rows that fail before the engine (template, length) are written straight away, from inside the
     request generator (same thread), so memory stays bounded even for a long run of bad rows.
-    Raises RunError when the engine ends without a result for every request.
+    Raises RunError when the engine ends without a result for every request. should_stop
+    (StopRequest.check) is called before each request and after each result; it raises Stopped to
+    end the run early (the caller commits what finished).
     """
+    check = should_stop or (lambda: None)
     builder, converter = stages.builder, stages.converter
     key = builder.key_names[0]
     inflight = AnswerGroups()  # a row's answers (sampling.n) come back one by one
@@ -147,6 +156,7 @@ def execute(
     def requests() -> Iterator[Request]:
         n = 0
         for item in items:
+            check()
             if isinstance(item, Reject):
                 rejects.write(reject_line(item) + "\n")
                 progress.rejects += 1
@@ -176,6 +186,7 @@ def execute(
         )
         finish(row, record)
         writer.maybe_flush()
+        check()
     if inflight:
         raise RunError(f"the engine ended without results for {len(inflight)} row(s)")
 

@@ -76,6 +76,7 @@ class RunSummary:
     nothing_to_do: bool = False
     recovered_parts: int = 0
     report_path: str | None = None  # the run's `_report.html`, when one was written
+    stopped: str | None = None  # why the run stopped early (SIGTERM, SIGINT, the deadline); None: it finished
 
     @property
     def error_rate(self) -> float:
@@ -88,7 +89,7 @@ class RunSummary:
         else:
             rate = (self.prompt_tokens + self.completion_tokens) / self.seconds if self.seconds else 0.0
             head = (
-                f"done: {self.this_run_rows} rows in {self.seconds:.1f}s after {self.load_seconds:.1f}s loading "
+                f"{'stopped (' + self.stopped + ')' if self.stopped else 'done'}: {self.this_run_rows} rows in {self.seconds:.1f}s after {self.load_seconds:.1f}s loading "
                 f"({self.this_run_rows / self.seconds if self.seconds else 0:.1f} rows/s, {rate:.0f} tokens/s; "
                 f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens) -> {self.output_path}"
             )
@@ -112,6 +113,7 @@ def summarize(
     seconds: float,
     nothing_to_do: bool = False,
     load_seconds: float = 0.0,
+    stopped: str | None = None,
 ) -> RunSummary:
     """The RunSummary of a run: the output folder's totals (from the manifest) and this run's counters."""
     m = plan.manifest
@@ -131,4 +133,5 @@ def summarize(
         load_seconds=load_seconds,
         nothing_to_do=nothing_to_do,
         recovered_parts=plan.recovered,
+        stopped=stopped,
     )

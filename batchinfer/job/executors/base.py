@@ -8,6 +8,7 @@ from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 from batchinfer.io.manifest import PartInfo
 from batchinfer.job.plan import JobPlan
+from batchinfer.job.stop import StopRequest
 from batchinfer.job.summary import Progress, RowRecord, RunSummary
 
 
@@ -19,7 +20,9 @@ class RunHooks:
     it there, so it must be importable by name. on_row gets a RowRecord per finished row, on_progress
     the running counters, on_step the engine's per-step stats (only where the engine runs in this
     process), on_commit each part once it is committed and in the manifest. progress_bar: show a bar on
-    a terminal. started: when the run started (the summary's load_seconds counts from it).
+    a terminal. started: when the run started (the summary's load_seconds counts from it). stop: the
+    run's StopRequest (job/stop.py), checked between engine steps, rows and requests; a stopped run
+    commits what finished and returns its summary with `stopped` set.
     """
 
     engine_factory: Callable[..., Any]
@@ -29,6 +32,7 @@ class RunHooks:
     on_commit: Callable[[PartInfo], None] | None = None
     progress_bar: bool = False
     started: float = field(default_factory=time.perf_counter)
+    stop: StopRequest | None = None
 
 
 @runtime_checkable
@@ -38,7 +42,8 @@ class Executor(Protocol):
     Contract: every pending row ends in exactly one committed part recorded in plan.manifest (the
     plan's process is its only writer), input lines without a usable id go to `_rejects.jsonl`, and
     a failure raises (RunError, or the engine's own exception) after committing what did finish, so
-    that running the job again resumes.
+    that running the job again resumes. A stop request (hooks.stop) ends it the same way, but it
+    returns the summary with `stopped` set.
     """
 
     name: ClassVar[str]

@@ -33,6 +33,7 @@ from batchinfer.job.executors.parts import infer_types, part_ids
 from batchinfer.job.plan import JobPlan, pending_rows
 from batchinfer.job.spec import JobError, JobSpec
 from batchinfer.job.stage import RunError, output_columns, read_columns, reject_line, rejects_file, template_columns
+from batchinfer.job.stop import StopRequest, Stopped
 from batchinfer.job.summary import Progress, RunSummary, progress_bar, summarize
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class Coordinator:
         engine_factory: Callable[..., Any],
         on_record: Callable[[Any], None] | None = None,
         on_commit: Callable[[mf.PartInfo], None] | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.plan = plan
         self.dp = dp
@@ -166,6 +168,9 @@ class Coordinator:
         self.known_parts = {p.name for p in self.manifest.parts}
         self.workers: list[_Worker] = []
         self.failure: str | None = None
+        self.stop = stop  # SIGTERM/SIGINT/deadline (job/stop.py)
+        self.stopping: str | None = None  # why the run stops early: workers commit what finished and exit
+        self._stop_deadline = 0.0
         self.outcome = Outcome()
         self._unit_id = 0
         self._t0 = time.perf_counter()
@@ -231,6 +236,8 @@ class Coordinator:
             self._lost(w, "its pipe broke")
 
     def _dispatch(self) -> None:
+        if self.stopping is not None:
+            return
         if self.failure is not None:  # hand out nothing more; let the others commit what they hold
             for w in self.workers:
                 if w.alive and w.needs_drain:
@@ -324,6 +331,8 @@ class Coordinator:
         rows = list(w.outstanding.values())
         w.outstanding.clear()
         w.unpulled = 0
+        if self.stopping is not None:
+            return  # stopping: its unfinished rows are done by the next run
         if self.failure is None:
             self.backlog.extendleft(reversed(rows))
         code = w.process.exitcode
@@ -332,8 +341,20 @@ class Coordinator:
 
     # ---- the loop -------------------------------------------------------------------------------
 
+    def _check_stop(self) -> None:
+        """A stop request: every worker commits what it finished and exits (killed after JOIN_TIMEOUT_S)."""
+        if self.stopping is None and self.stop is not None and self.stop.requested() is not None:
+            self.stopping = self.stop.reason
+            self._stop_deadline = time.monotonic() + JOIN_TIMEOUT_S
+            log.warning("stopping (%s): the engine workers commit their finished rows and exit", self.stopping)
+            for w in self.workers:
+                if w.alive:
+                    self._send(w, ("stop_now",))
+
     def _done(self) -> bool:
         live = [w for w in self.workers if w.alive]
+        if self.stopping is not None:
+            return not live or time.monotonic() > self._stop_deadline
         if any(w.outstanding for w in live):
             return False
         if self.failure is not None:
@@ -341,10 +362,14 @@ class Coordinator:
         return self._all_read() or not live
 
     def run(self) -> Outcome:
-        """Until every pending row is in a recorded part (or the run fails): RunError on failure."""
-        self.start()
+        """Until every pending row is in a recorded part (or the run fails): RunError on failure,
+        Stopped after a stop request (the workers' finished rows committed and recorded)."""
+        if self.stop is not None:
+            self.stop.in_loop = True  # a signal is seen here, between waits
         try:
+            self.start()
             while True:
+                self._check_stop()
                 self._dispatch()
                 if self._done():
                     break
@@ -360,9 +385,13 @@ class Coordinator:
                         self._lost(w, "process ended")
             self._stop_all()
         finally:
+            if self.stop is not None:
+                self.stop.in_loop = False
             self._kill_all()
             self._remove_dead_temps()
         self.outcome.load_seconds = max((w.load_s for w in self.workers), default=0.0)
+        if self.stopping is not None:
+            raise Stopped(self.stopping)
         if self.failure is not None:
             raise RunError(f"{self.failure}; run again to resume")
         if not self._all_read():
@@ -450,11 +479,17 @@ class DataParallelExecutor:
             if hooks.on_progress is not None:
                 hooks.on_progress(stats)
 
+        stopped = None
+        coord = None
         try:
             with rejects_file(plan.output_dir) as rf:
                 coord = Coordinator(plan, self.dp, columns, pending_rows(plan, needed), rf, hooks.engine_factory, on_record,
-                                    hooks.on_commit)
+                                    hooks.on_commit, hooks.stop)
                 outcome = coord.run()
+        except Stopped as e:  # the workers' finished rows are committed and recorded
+            if coord is None:
+                raise
+            stopped, outcome = e.reason, coord.outcome
         finally:
             bar.close()
         # rows of a dead worker that were finished but not committed were done again: count committed rows
@@ -462,7 +497,7 @@ class DataParallelExecutor:
         stats.prompt_tokens, stats.completion_tokens = outcome.prompt_tokens, outcome.completion_tokens
         elapsed = time.perf_counter() - hooks.started
         return summarize(plan, outcome.rejects, stats, max(0.0, elapsed - outcome.load_seconds),
-                         load_seconds=outcome.load_seconds)
+                         load_seconds=outcome.load_seconds, stopped=stopped)
 
 
 def _close_pipes(w: Any) -> None:

@@ -4,7 +4,7 @@ The process is started with the spawn method and CUDA_VISIBLE_DEVICES already se
 the driver, before the interpreter starts, so torch sees only that GPU). It speaks to the driver over
 two one-way pipes:
 
-driver -> worker (`tasks`): ("unit", unit_id, [Row, ...]) | ("drain",) | ("stop",)
+driver -> worker (`tasks`): ("unit", unit_id, [Row, ...]) | ("drain",) | ("stop",) | ("stop_now",)
 worker -> driver (`reports`): ("ready", load_seconds) | ("pulled", unit_id) | ("rows", [RowRecord, ...])
     | ("part", PartInfo, [id, ...]) | ("exit",) | ("error", traceback_text)
 
@@ -13,12 +13,17 @@ that stream, so the engine finishes what it holds and the writer commits its las
 after a drain start a new stream. A reader thread empties `tasks` at once (the driver never blocks on
 a full pipe); when the driver is gone (EOF) the worker exits at once: the driver's output-folder lock
 is released then, and a worker still writing parts would race the next run.
+
+"stop_now" (the driver got SIGTERM/SIGINT or hit its deadline): take no more rows, drop the
+unfinished ones, commit and report the finished ones, exit. A worker ignores SIGINT (a Ctrl-C in the
+terminal reaches the whole process group: the driver decides) and takes SIGTERM as "stop_now".
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -30,6 +35,7 @@ from typing import Any, Callable, Iterator
 from batchinfer.job.executors.parts import WorkerPartWriter
 from batchinfer.job.spec import JobSpec, load_job
 from batchinfer.job.stage import RowStages, execute, row_stages
+from batchinfer.job.stop import Stopped
 from batchinfer.job.summary import Progress
 
 EXIT_ORPHANED = 3  # the driver went away
@@ -71,7 +77,7 @@ class _Outbox:
         self.last = time.monotonic()
 
 
-def _start_reader(tasks: Any) -> "queue.Queue[tuple]":
+def _start_reader(tasks: Any, stop_now: threading.Event) -> "queue.Queue[tuple]":
     inbox: "queue.Queue[tuple]" = queue.Queue()
 
     def read() -> None:
@@ -80,6 +86,9 @@ def _start_reader(tasks: Any) -> "queue.Queue[tuple]":
                 msg = tasks.recv()
             except (EOFError, OSError):
                 os._exit(EXIT_ORPHANED)
+            if msg[0] == "stop_now":
+                stop_now.set()
+                msg = ("stop",)
             inbox.put(msg)
             if msg[0] == "stop":
                 return
@@ -90,8 +99,13 @@ def _start_reader(tasks: Any) -> "queue.Queue[tuple]":
 
 def worker_main(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> None:
     """Process entry point: serve work units until "stop"; any exception is reported, then exit 1."""
+    stop_now = threading.Event()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: stop_now.set())
     try:
-        _serve(args, tasks, reports, counter)
+        _serve(args, tasks, reports, counter, stop_now)
+    except Stopped:
+        reports.send(("exit",))
     except BaseException:
         try:
             reports.send(("error", traceback.format_exc()))
@@ -100,7 +114,7 @@ def worker_main(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> Non
         sys.exit(1)
 
 
-def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> None:
+def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any, stop_now: threading.Event) -> None:
     spec = load_job(args.job, args.overrides)
     if args.threads:
         import torch
@@ -117,20 +131,25 @@ def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> None:
             counter.value += 1
         return n
 
-    inbox = _start_reader(tasks)
+    inbox = _start_reader(tasks, stop_now)
+
+    def check() -> None:
+        if stop_now.is_set():
+            raise Stopped("the driver asked to stop")
+
     while True:
         msg = inbox.get()
         if msg[0] == "stop":
             break
         if msg[0] == "drain":
             continue
-        if _session(msg, inbox, args, spec, engine, stages, reports, next_number) == "stop":
+        if _session(msg, inbox, args, spec, engine, stages, reports, next_number, check) == "stop":
             break
     reports.send(("exit",))
 
 
 def _session(first: tuple, inbox: "queue.Queue[tuple]", args: WorkerArgs, spec: JobSpec, engine: Any, stages: RowStages,
-             reports: Any, next_number: Callable[[], int]) -> str:
+             reports: Any, next_number: Callable[[], int], check: Callable[[], None]) -> str:
     """One request stream over units until "drain" (or "stop"); its rows all end in committed parts."""
     outbox = _Outbox(reports, args.report_every_s)
     ended = ["drain"]
@@ -153,7 +172,7 @@ def _session(first: tuple, inbox: "queue.Queue[tuple]", args: WorkerArgs, spec: 
         ended[0] = msg[0]
 
     try:
-        execute(rows(), engine, stages, writer, None, Progress(), on_row=outbox.add)
+        execute(rows(), engine, stages, writer, None, Progress(), on_row=outbox.add, should_stop=check)
     except BaseException:
         writer.save_finished()  # the driver records what did finish; the rest is done on resume
         outbox.flush()

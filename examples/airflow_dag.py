@@ -2,7 +2,8 @@
 
 The dated paths come in through `--set`, so one job file serves every day. A retry after a crash
 (or a killed worker) resumes: only rows missing from the output are done, none twice.
-Exit codes: 0 done, 1 run failed (retry), 2 invalid job (fix it), 3 too many rows with errors.
+Exit codes: 0 done, 1 run failed (retry), 2 invalid job (fix it), 3 too many rows with errors,
+75 stopped by SIGTERM/SIGINT or --stop-after (retry: it resumes).
 """
 
 from __future__ import annotations

@@ -96,3 +96,17 @@ def test_common_type_examples():
     assert common_type([IdType(pa.timestamp("us")), IdType(pa.timestamp("ns"))]).type == pa.timestamp("ns")
     assert common_type([IdType(pa.timestamp("us")), IdType(pa.timestamp("us", tz="UTC"))]).type == pa.string()
     assert python_id_type([1, 2**70]).type == pa.string() and python_id_type([1, 2.5]).type == pa.float64()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.decimals(allow_nan=False, allow_infinity=False), st.floats(allow_nan=False, allow_infinity=False), st.integers()))
+def test_numeric_keys_are_exact_plain_numbers(v):
+    """A number's key is plain decimal text (no exponent) that denotes exactly the same number (every digit
+    kept; a float stands for its shortest round-trip text), so equal numbers share a key."""
+    k = key(v)
+    assert "e" not in k.lower() and (k == "0" or not k.lstrip("-").startswith("0") or k.lstrip("-").startswith("0."))
+    if isinstance(v, float):
+        assert float(k) == v and Decimal(k) == Decimal(repr(v))
+    else:
+        assert Decimal(k) == v
+    assert key(Decimal(k)) == k

@@ -44,11 +44,23 @@ class IdError(ValueError):
 
 
 def _plain(d: Decimal) -> str:
+    """Plain decimal notation without trailing zeros, exact (no rounding to a context's precision)."""
     if not d.is_finite():
         raise IdError(f"{d} is not a finite number")
-    if d == 0:
+    sign, digits, exp = d.as_tuple()
+    ds = list(digits)
+    while len(ds) > 1 and ds[-1] == 0 and exp < 0:  # type: ignore[operator]
+        ds.pop()
+        exp += 1  # type: ignore[operator]
+    if not any(ds):
         return "0"
-    return format(d.normalize(), "f")
+    text = "".join(map(str, ds)).lstrip("0") or "0"
+    if exp >= 0:  # type: ignore[operator]
+        text += "0" * exp  # type: ignore[operator]
+    else:
+        k = -exp  # type: ignore[operator]
+        text = text[:-k] + "." + text[-k:] if len(text) > k else "0." + "0" * (k - len(text)) + text
+    return ("-" if sign else "") + text
 
 
 def key(value: Any) -> str:

@@ -377,3 +377,61 @@ def test_compare_errors_are_one_line(tmp_path, runs):
     (tmp_path / "empty").mkdir()
     r = CliRunner().invoke(app, ["compare", str(runs["a"]), str(tmp_path / "empty")])
     assert r.exit_code == 2 and "no committed output" in r.output
+
+
+def test_several_answers_per_row_compare_and_count_as_answers(tmp_path):
+    """sampling.n > 1 output (a list column `answers`): compared as all answers in order, fields over every answer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchinfer.io.manifest import PartInfo
+    from batchinfer.observe.answers import answer_columns, output_frame
+
+    answer = pa.struct([("output_text", pa.string()), ("finish_reason", pa.string()), ("error", pa.string()),
+                        ("output", pa.struct([("kind", pa.string())]))])
+
+    def write(out: Path, kinds: dict[str, list[str]]) -> None:
+        out.mkdir()
+        rows = [{"id": i, "finish_reason": "stop", "error": None,
+                 "answers": [{"output_text": json.dumps({"kind": k}), "finish_reason": "stop", "error": None,
+                              "output": {"kind": k}} for k in ks]} for i, ks in kinds.items()]
+        table = pa.Table.from_pylist(rows, schema=pa.schema([("id", pa.string()), ("finish_reason", pa.string()),
+                                                             ("error", pa.string()), ("answers", pa.list_(answer))]))
+        pq.write_table(table, out / "part-000000.parquet")
+        manifest = Manifest(out, fingerprint="fp", id_column="id")
+        manifest.add_part(PartInfo("part-000000.parquet", table.num_rows, 0))
+
+    write(tmp_path / "a", {"r1": ["inv", "ltr"], "r2": ["rep", "rep"], "r3": ["inv", "inv"]})
+    write(tmp_path / "b", {"r1": ["inv", "ltr"], "r2": ["rep", "inv"], "r3": ["inv", "inv"]})
+    c = compare_runs(tmp_path / "a", tmp_path / "b")
+    assert (c.matched, c.identical) == (3, 2) and [ch.id for ch in c.changed] == ["r2"]
+    ch = c.changed[0]
+    assert ch.first_token is None and ch.answer_a.startswith('{"kind": "rep"}') and "inv" in ch.answer_b
+    cols = answer_columns(output_frame(Manifest.load(tmp_path / "a")), {"json_schema": SCHEMA}, None)
+    assert sorted(cols.get_column("kind").to_list()) == ["inv", "inv", "inv", "ltr", "rep", "rep"]
+
+
+@given(st.dictionaries(st.sampled_from(["text", "title", "body"]), st.text(" \n\tabc\u00e9", max_size=700) | st.integers()),
+       st.integers(20, 300))
+def test_input_excerpt_is_one_short_line(values, limit):
+    from batchinfer.job.requests import input_excerpt
+
+    got = input_excerpt(values, ["body", "text"], limit)
+    present = [c for c in ("body", "text") if values.get(c) is not None]
+    if not present:
+        assert got is None
+        return
+    one_line = [" ".join(str(values[c]).split()) for c in present]
+    full = " | ".join(one_line if len(present) == 1 else [f"{c}: {v}" for c, v in zip(present, one_line)])
+    if len(full) <= limit:
+        assert got == full
+    else:
+        assert len(got) <= limit and got.endswith("\u2026") and full.startswith(got[:-1])
+
+
+def test_input_excerpt_of_chat_messages_is_the_user_message():
+    from batchinfer.job.requests import input_excerpt
+
+    body = {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort\n this  doc"}]}
+    assert input_excerpt({"body": body}, ["body"]) == "Sort this doc"
+    assert input_excerpt({"chat": body["messages"]}, ["chat"]) == "Sort this doc"

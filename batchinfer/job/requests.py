@@ -8,6 +8,7 @@ answer 0 is the answer an n = 1 job gives). The engine's prefix sharing computes
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,15 +85,41 @@ class RequestBuilder:
         return [Request(f"{request_id}.{i}", ids, answer_sampling(sampling, i), constraint, text) for i in range(n)]
 
 
+_WORD = re.compile(r"\S+")
+
+
+def _head(text: str, limit: int) -> str:
+    """The first words of text, whitespace collapsed, until there are more than `limit` characters
+    (reads only as far as that)."""
+    words, n = [], 0
+    for m in _WORD.finditer(text):
+        words.append(m.group())
+        n += len(words[-1]) + 1
+        if n > limit:
+            break
+    return " ".join(words)
+
+
+def _text_of(value: Any) -> str:
+    """What a person reads of a column value: text as it is; of chat messages (or an OpenAI body
+    holding them) the last user message's content."""
+    if isinstance(value, dict) and isinstance(value.get("messages"), list):
+        value = value["messages"]
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        users = [m for m in value if m.get("role") == "user"] or value
+        return str(users[-1].get("content", ""))
+    return str(value)
+
+
 def input_excerpt(values: dict[str, Any], columns: list[str], limit: int = EXCERPT_CHARS) -> str | None:
-    """The start of a row's template columns on one line ("col: text | col2: text" for several), at
-    most `limit` characters; None when the row has none of them. Cheap: only each value's head is read."""
+    """The start of a row's prompt columns on one line ("col: text | col2: text" for several), at most
+    `limit` characters; None when the row has none of them. Cheap: only each value's head is read."""
     present = [(c, values[c]) for c in columns if values.get(c) is not None]
     if not present:
         return None
     parts = []
     for name, value in present:
-        head = " ".join(str(value)[: limit * 2].split())
+        head = _head(_text_of(value), limit)
         parts.append(head if len(present) == 1 else f"{name}: {head}")
     text = " | ".join(parts)
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "\u2026"

@@ -33,16 +33,33 @@ CHOICE_FIELD = "answer"  # the one field of a choice / regex job: its output tex
 # ------------------------------------------------------------------------------------------ output
 
 
+ANSWERS_SEP = "\n\u2500\u2500\u2500\n"  # between the answers of a row with sampling.n > 1
+
+
 def output_frame(manifest: Manifest | None) -> pl.LazyFrame | None:
     """The committed parts as one LazyFrame with the id's canonical key (io/id_key.py, what the row
-    records hold) added as `_id` (None: no output)."""
+    records hold) added as `_id` (None: no output).
+
+    An output of sampling.n > 1 (a list column `answers`, no `output_text`) gets `output_text`: its
+    answers' texts in order, joined by ANSWERS_SEP, so that a row's answers read, and compare, as one.
+    """
     if manifest is None or not manifest.parts or not manifest.id_column:
         return None
     from batchinfer.io.id_key import array_keys
 
     lf = pl.scan_parquet(manifest.part_paths, missing_columns="insert", extra_columns="ignore")
     canonical = pl.col(manifest.id_column).map_batches(lambda s: pl.from_arrow(array_keys(s.to_arrow())), return_dtype=pl.Utf8)
-    return lf.with_columns(canonical.alias("_id"))
+    lf = lf.with_columns(canonical.alias("_id"))
+    names = lf.collect_schema().names()
+    if "output_text" not in names and "answers" in names:
+        texts = pl.col("answers").list.eval(pl.element().struct.field("output_text").fill_null(""))
+        lf = lf.with_columns(texts.list.join(ANSWERS_SEP).alias("output_text"))
+    return lf
+
+
+def several_answers(lf: pl.LazyFrame) -> bool:
+    """Whether the output has a row per id with several answers (sampling.n > 1)."""
+    return "answers" in lf.collect_schema().names()
 
 
 # ------------------------------------------------------------------------------------- field kinds
@@ -152,9 +169,11 @@ def answer_columns(lf: pl.LazyFrame, structured: dict[str, Any] | None, schema: 
 
     A JSON-schema job's typed `output` column is flattened (structs into dotted paths); where the
     schema has no Arrow type its answers are JSON text, parsed here; a choice or regex job has one
-    field, `answer` (its output text).
+    field, `answer` (its output text). With sampling.n > 1 there is one row per answer.
     """
     structured = structured or {}
+    if several_answers(lf):  # sampling.n > 1: every answer counts, each with its own error
+        lf = lf.select("_id", "answers").explode("answers").filter(pl.col("answers").is_not_null()).unnest("answers")
     names = lf.collect_schema()
     ok = lf.filter(pl.col("error").is_null()) if "error" in names else lf
     if structured.get("json_schema") is not None and "output" in names:

@@ -1,7 +1,8 @@
 """Two runs compared answer by answer: `batchinfer compare OUT_A OUT_B`, and `compare_runs` for tests.
 
 Rows are matched by id (the output's id column, as text). A row's answer is identical when its output
-text and finish reason are (an error row: when both are errors without text). For each differing row:
+text and finish reason are (an error row: when both are errors without text); with sampling.n > 1,
+when all its answers' texts are, in order (answers.output_frame; first differences by character). For each differing row:
 the first differing output token (from the token-id sidecars, when both runs logged the row with
 --log-token-ids) and the first differing character, the schema fields that differ, and how much of
 the answer changed: the share outside the longest common start and end (0 %: identical, 100 %:
@@ -301,8 +302,9 @@ def compare_runs(out_a: str | Path, out_b: str | Path, max_changed: int = MAX_CH
     fields, field_diffs = _field_diffs(lf_a, lf_b, report_a, report_b)
 
     diff_ids = differing.get_column("_id").to_list()
-    ids_a = _token_ids(out_a, diff_ids) if side_a.token_ids else {}
-    ids_b = _token_ids(out_b, diff_ids) if side_b.token_ids else {}
+    one_answer = not answers.several_answers(lf_a) and not answers.several_answers(lf_b)  # the sidecar logs one
+    ids_a = _token_ids(out_a, diff_ids) if side_a.token_ids and one_answer else {}
+    ids_b = _token_ids(out_b, diff_ids) if side_b.token_ids and one_answer else {}
     token_level = bool(ids_a) and bool(ids_b)
     changes = []
     positions = []

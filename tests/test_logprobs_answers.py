@@ -170,8 +170,8 @@ def test_n_answers_are_one_row_each_seeded_seed_plus_index(tiny_model, tmp_path)
         assert row["finish_reason"] == "length" and row["error"] is None
         assert len({tuple(a["token_ids"]) for a in answers}) > 1, "the answers of a row should differ"
         assert all(len(a["token_logprobs"]) == 5 for a in answers)
-    # answer i is the answer of an n = 1 job with seed 5 + i
-    for i in (0, 2):
+    # answer i is the answer of an n = 1 job with seed 5 + i (answer 0 has the job's seed by construction)
+    for i in (2,):
         (tmp_path / f"one{i}").mkdir()
         d = job(tiny_model, tmp_path, temperature=1.0, seed=5 + i, ignore_eos=True)
         d["output"] = {"path": str(tmp_path / f"one{i}")}

@@ -195,12 +195,11 @@ def write_output_formats(plan: JobPlan, changed: bool = True) -> None:
     from batchinfer.models.loader import load_tokenizer
 
     m = plan.manifest
-    folder = m.path.parent
-    if not changed and openai_batch.up_to_date(folder, sum(p.rows for p in m.parts)):
+    if not changed and openai_batch.up_to_date(plan.output_dir, sum(p.rows for p in m.parts)):
         return
     piece = TokenTexts(load_tokenizer(plan.model_dir) if plan.spec.sampling.logprobs is not None else None)
     ok, bad = openai_batch.write_output_files(
-        folder, [Path(p) for p in m.part_paths], plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
+        plan.output_dir, [Path(p) for p in m.part_paths], plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
     )
     log.info("wrote %s (%d lines) and %s (%d lines)", openai_batch.RESULTS, ok, openai_batch.ERRORS, bad)
 

@@ -7,6 +7,7 @@ bookkeeping and records:
   steps, rows    `_steps/`, `_rows/`  per engine step / per finished row (observe/records.py)
   token ids      `_token_ids/`      `--log-token-ids` sidecar (observe/tokenlog.py)
   report         `_report.json`, `_report.html`  (observe/report.py)
+  openai         `results.jsonl`, `errors.jsonl`  output.format openai (io/openai_batch.py)
 
 Callers ask these functions for a path and never join the names themselves, so moving the records
 elsewhere (a hidden sibling folder, say) is a change to this file alone.
@@ -23,6 +24,8 @@ ROWS_DIR = "_rows"
 TOKEN_IDS_DIR = "_token_ids"
 REPORT_JSON = "_report.json"
 REPORT_HTML = "_report.html"
+OPENAI_RESULTS = "results.jsonl"
+OPENAI_ERRORS = "errors.jsonl"
 
 
 def records_dir(out: str | Path) -> Path:
@@ -56,6 +59,11 @@ def report_json_path(out: str | Path) -> Path:
 
 def report_html_path(out: str | Path) -> Path:
     return records_dir(out) / REPORT_HTML
+
+
+def openai_paths(out: str | Path) -> tuple[Path, Path]:
+    """results.jsonl and errors.jsonl of `output.format: openai`."""
+    return records_dir(out) / OPENAI_RESULTS, records_dir(out) / OPENAI_ERRORS
 
 
 def observer_folders(out: str | Path) -> tuple[Path, ...]:

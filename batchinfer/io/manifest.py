@@ -29,12 +29,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchinfer.io.layout import MANIFEST, REJECTS, manifest_path  # noqa: F401  (names re-exported)
+from batchinfer.io.layout import MANIFEST, OPENAI_ERRORS, OPENAI_RESULTS, REJECTS, manifest_path  # noqa: F401  (names re-exported)
 
 log = logging.getLogger(__name__)
 
 LOCK = "_lock"
-OPENAI_FILES = ("results.jsonl", "errors.jsonl")  # output.format openai (io/openai_batch.py), beside the manifest
 TMP_PREFIX = "_tmp."
 PART_RE = re.compile(r"^part-(\d{6})\.parquet$")
 FINGERPRINT_KEY = b"batchinfer.fingerprint"
@@ -161,7 +160,7 @@ def clear_output(folder: Path) -> None:
     if not folder.is_dir():
         return
     for p in folder.iterdir():
-        if p.is_file() and (PART_RE.match(p.name) or p.name in (MANIFEST, REJECTS, *OPENAI_FILES) or _is_temp(p.name)):
+        if p.is_file() and (PART_RE.match(p.name) or p.name in (MANIFEST, REJECTS, OPENAI_RESULTS, OPENAI_ERRORS) or _is_temp(p.name)):
             p.unlink()
     fsync_dir(folder)
 

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from batchinfer.engine.request import MAX_LOGPROBS, SamplingParams
-from batchinfer.io.manifest import OPENAI_FILES
+from batchinfer.io.layout import OPENAI_ERRORS, OPENAI_RESULTS, openai_paths
 from batchinfer.job.prompts import RowError
 from batchinfer.structured.base import Constraint
 
 URL = "/v1/chat/completions"
-RESULTS, ERRORS = OPENAI_FILES
+RESULTS, ERRORS = OPENAI_RESULTS, OPENAI_ERRORS
 
 # body keys taken as they are in SamplingParams (the OpenAI names, and the extensions vLLM's batch runner reads)
 _NUMBERS = {"temperature": float, "top_p": float, "min_p": float, "top_k": int, "min_tokens": int, "seed": int}
@@ -185,16 +185,12 @@ def _logprobs(body: dict[str, Any], job: int | None) -> int | None:
 # ---- out: results.jsonl / errors.jsonl ------------------------------------------------------------
 
 
-def output_paths(folder: Path) -> tuple[Path, Path]:
-    return Path(folder) / RESULTS, Path(folder) / ERRORS
-
-
-def up_to_date(folder: Path, rows: int) -> bool:
+def up_to_date(out: Path, rows: int) -> bool:
     """Whether both files exist and hold `rows` lines together (the committed rows). Parts only ever
     gain rows, so a pair written for fewer rows (a kill between the two renames) shows in the count."""
     total = 0
     try:
-        for path in output_paths(folder):
+        for path in openai_paths(out):
             with open(path, "rb") as fh:
                 total += sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
     except FileNotFoundError:
@@ -267,16 +263,16 @@ def _rows(path: Path, columns: list[str]) -> Iterator[dict[str, Any]]:
 
 
 def write_output_files(
-    folder: Path, parts: list[Path], id_column: str, fingerprint: str, model: str, piece: Callable[[int], str | None]
+    out: Path, parts: list[Path], id_column: str, fingerprint: str, model: str, piece: Callable[[int], str | None]
 ) -> tuple[int, int]:
-    """Write results.jsonl and errors.jsonl of the committed `parts` (in order) into `folder`
-    (temp names, fsynced, renamed: results first, then errors); returns (results, errors) counts."""
+    """Write results.jsonl and errors.jsonl (io/layout.py) of the output folder `out` from its committed
+    `parts` (in order): temp names, fsynced, renamed (results first, then errors); returns the counts."""
     from batchinfer.io.manifest import TMP_PREFIX, fsync_dir
 
     columns = [id_column, "output_text", "finish_reason", "prompt_tokens", "completion_tokens", "error",
                "token_ids", "token_logprobs", "top_logprobs", "answers"]
-    final = output_paths(folder)
-    tmp = [Path(folder) / f"{TMP_PREFIX}{p.name}" for p in final]
+    final = openai_paths(out)
+    tmp = [p.parent / f"{TMP_PREFIX}{p.name}" for p in final]
     counts = [0, 0]
     with open(tmp[0], "w", encoding="utf-8") as ok_file, open(tmp[1], "w", encoding="utf-8") as err_file:
         for part in parts:
@@ -290,5 +286,5 @@ def write_output_files(
             os.fsync(fh.fileno())
     for t, f in zip(tmp, final):
         os.replace(t, f)
-    fsync_dir(Path(folder))
+    fsync_dir(final[0].parent)
     return counts[0], counts[1]

@@ -267,14 +267,15 @@ def write_output_formats(plan: JobPlan, changed: bool = True) -> None:
     if plan.spec.output.format != "openai":
         return
     from batchinfer.io import openai_batch
+    from batchinfer.job.results import TokenTexts
+    from batchinfer.models.loader import load_tokenizer
 
     m = plan.manifest
-    folder = m.path.parent
-    if not changed and openai_batch.up_to_date(folder, sum(p.rows for p in m.parts)):
+    if not changed and openai_batch.up_to_date(plan.output_dir, sum(p.rows for p in m.parts)):
         return
-    piece = _token_pieces(plan) if plan.spec.sampling.logprobs is not None else (lambda token_id: None)
+    piece = TokenTexts(load_tokenizer(plan.model_dir) if plan.spec.sampling.logprobs is not None else None)
     ok, bad = openai_batch.write_output_files(
-        folder, [Path(p) for p in m.part_paths], plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
+        plan.output_dir, [Path(p) for p in m.part_paths], plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
     )
     log.info("wrote %s (%d lines) and %s (%d lines)", openai_batch.RESULTS, ok, openai_batch.ERRORS, bad)
 
@@ -284,17 +285,3 @@ def model_name(spec: JobSpec) -> str:
     path = Path(spec.model.path)
     return path.name if path.is_dir() else spec.model.path
 
-
-def _token_pieces(plan: JobPlan) -> Callable[[int], str | None]:
-    """token id -> its text (cached), for logprobs in OpenAI-shaped output."""
-    from batchinfer.models.loader import load_tokenizer
-
-    tokenizer = load_tokenizer(plan.model_dir)
-    cache: dict[int, str] = {}
-
-    def piece(token_id: int) -> str:
-        if token_id not in cache:
-            cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
-        return cache[token_id]
-
-    return piece

@@ -109,8 +109,7 @@ class ResultConverter:
         self.n = spec.sampling.n
         self.logprobs = spec.sampling.logprobs is not None
         self.columns = result_columns(self.output_type, self.n, self.logprobs)
-        self.tokenizer = tokenizer
-        self._pieces: dict[int, str | None] = {}
+        self.piece = TokenTexts(tokenizer)  # token id -> text, for the top_logprobs structs
 
     def _blank_answer(self) -> dict[str, Any]:
         a: dict[str, Any] = {}
@@ -187,13 +186,21 @@ class ResultConverter:
             ]
         return a
 
-    def piece(self, token_id: int) -> str | None:
-        """The text of one token (special tokens by name); None without a tokenizer."""
+
+
+class TokenTexts:
+    """token id -> the token's text (special tokens by name), cached; None without a tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
-        text = self._pieces.get(token_id)
+        text = self._texts.get(token_id)
         if text is None:
-            text = self._pieces[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
 

@@ -67,6 +67,7 @@ from batchinfer.engine.model_runner import ModelRunner, SampledTokens
 from batchinfer.engine.request import Request, Result
 from batchinfer.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from batchinfer.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from batchinfer.engine.speculative import Drafter, SpecCounts, Speculator, spec_fields
 from batchinfer.engine.stats import StepStats
 from batchinfer.models.loader import load_tokenizer
 
@@ -100,7 +101,11 @@ class _InFlight:
 class Engine:
     """Offline generation over a stream of requests with continuous batching."""
 
-    def __init__(self, config: EngineConfig, on_step: Callable[[StepStats], None] | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, on_step: Callable[[StepStats], None] | None = None, drafter: Drafter | None = None
+    ) -> None:
+        """drafter: with config.speculative, draft tokens come from it instead of n-gram lookup
+        (engine/speculative.py Drafter; the bench's oracle)."""
         self.config = config
         self.on_step = on_step
         self.runner = ModelRunner(config)
@@ -132,6 +137,10 @@ class Engine:
         self._idle_ms: float | None = None  # device idle gaps of the step read in this iteration
         self._phases: dict[str, float] = {}  # host ms by phase of the current iteration
         self._phase_t = 0.0
+        self.speculator = (
+            Speculator(config.speculative, self.runner.vocab_size, drafter) if config.speculative is not None else None
+        )
+        self._spec_counts: SpecCounts | None = None  # the current step's, when speculating
 
     # --- public API -------------------------------------------------------------------------
 
@@ -231,6 +240,8 @@ class Engine:
     def _step(self) -> list[Result]:
         """One loop iteration: schedule and launch step N+1, read and post-process step N (see the
         module docstring). Returns the requests that finished."""
+        if self.speculator is not None:
+            return self.speculator.step(self)  # serial steps with drafts (engine/speculative.py)
         t0 = time.perf_counter()
         self._wait_s, self._idle_ms = 0.0, None
         self._phases, self._phase_t = {}, t0
@@ -364,8 +375,12 @@ class Engine:
 
     def _bans(self, seq: Sequence) -> list[int]:
         """Tokens that may not end the output yet (min_tokens)."""
+        return self._bans_at(seq, seq.num_generated)
+
+    def _bans_at(self, seq: Sequence, num_generated: int) -> list[int]:
+        """Tokens that may not be the output token after `num_generated` ones (min_tokens)."""
         p = seq.request.sampling
-        if seq.num_generated >= p.min_tokens:
+        if num_generated >= p.min_tokens:
             return []
         ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         return sorted(i for i in ids if 0 <= i < self.runner.vocab_size)
@@ -396,7 +411,9 @@ class Engine:
             host_ms=host_ms,
             wait_ms=wait_ms,
             phases_ms=self._phases,
+            **(spec_fields(self._spec_counts) if self._spec_counts is not None else {}),
         )
+        self._spec_counts = None
         self.last_step = stats
         if self.on_step is not None:
             self.on_step(stats)

@@ -352,12 +352,15 @@ class ModelRunner:
         sampling: Seq[Sequence],
         bans: Seq[list[int]] | None = None,
         bitmask: torch.Tensor | None = None,
+        steps: Seq[int] | None = None,
     ) -> torch.Tensor:
         """Bans and grammar mask on the sampling rows' logits, then one token per row (in order); the
         tokens stay on the device (int64 [len(sampling)]): this only launches work.
 
         bans[i]: token ids forbidden for sampling[i] (min_tokens); bitmask: int32 CPU
         [len(sampling), ceil(V/32)] from the grammar matchers (rows without a grammar all -1) or None.
+        steps: the sampler's counter per row (default: each sequence's num_generated); speculative
+        decoding samples several positions of one sequence in one step.
         """
         if bans:
             rows = [i for i, b in enumerate(bans) if b]
@@ -367,7 +370,7 @@ class ModelRunner:
             from batchinfer.structured.bitmask import apply_token_bitmask_
 
             apply_token_bitmask_(logits, bitmask.to(self.device, non_blocking=True))
-        return sample(logits, self.sampling_batch(sampling))
+        return sample(logits, self.sampling_batch(sampling, steps))
 
     def token_logprobs(self, logits: torch.Tensor, sampling: Seq[Sequence], tokens: torch.Tensor) -> StepLogprobs | None:
         """Logprobs of the sampled tokens for the rows whose request asks (None, at no cost, when none
@@ -387,7 +390,7 @@ class ModelRunner:
         event.record()
         return event
 
-    def sampling_batch(self, sampling: Seq[Sequence]) -> SamplingBatch:
+    def sampling_batch(self, sampling: Seq[Sequence], steps: Seq[int] | None = None) -> SamplingBatch:
         """make_sampling_batch for sequences, from rows each sequence computes once (its seed folded,
         its parameters resolved), stacked with numpy: the per-row Python of make_sampling_batch
         cost ~1 ms per step at 256 rows."""
@@ -402,7 +405,10 @@ class ModelRunner:
             rows.append(s.sampling_row)
         cols = list(zip(*rows))
         floats = np.array(cols[:3], dtype=np.float32)
-        steps = np.fromiter((s.num_generated for s in sampling), dtype=np.int64, count=len(sampling)) & _MASK32
+        if steps is None:
+            steps = np.fromiter((s.num_generated for s in sampling), dtype=np.int64, count=len(sampling)) & _MASK32
+        else:
+            steps = np.asarray(steps, dtype=np.int64) & _MASK32
         greedy = np.array(cols[5], dtype=bool)
         ints = np.stack([np.array(cols[3], dtype=np.int64), np.array(cols[4], dtype=np.int64), steps, greedy.astype(np.int64)])
         f_dev, i_dev = self._to_device(floats), self._to_device(ints)

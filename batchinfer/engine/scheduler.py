@@ -106,13 +106,14 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
-        num_decodes = sum(1 for s in self.running if s.num_remaining == 1 and not s.final_pending)
+        num_decodes = sum(1 + s.num_draft for s in self.running if s.num_remaining == 1 + s.num_draft and not s.final_pending)
         prefill_budget = max(0, budget - num_decodes)
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.final_pending or step.total_tokens >= budget:
                 continue
-            is_decode = seq.num_remaining == 1
-            want = 1 if is_decode else min(seq.num_remaining, prefill_budget)
+            is_decode = seq.num_remaining == 1 + seq.num_draft
+            # a decode with drafts (speculative decoding) verifies them all, as far as the budget goes
+            want = min(seq.num_remaining, budget - step.total_tokens) if is_decode else min(seq.num_remaining, prefill_budget)
             if want == 0:
                 continue
             n = self._fit(seq, want, step)
@@ -147,10 +148,12 @@ class Scheduler:
         return self._blocks(min(seq.num_tokens + out, self.config.max_model_len))
 
     def _add_to_step(self, step: ScheduledStep, seq: Sequence, n: int) -> None:
+        if seq.num_draft and seq.num_computed_tokens + n < seq.num_tokens:
+            seq.drop_drafts(seq.num_tokens - seq.num_computed_tokens - n)  # drafts the budget/blocks cannot take
         step.seqs.append(seq)
         step.num_tokens.append(n)
         step.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
-        if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1:
+        if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_draft:
             step.num_decode_tokens += 1
         else:
             step.num_prefill_tokens += n
@@ -178,6 +181,7 @@ class Scheduler:
         return n
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+        seq.drop_drafts()
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING

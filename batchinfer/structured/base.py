@@ -82,6 +82,11 @@ class GrammarMatcher(Protocol):
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative decoding)."""
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces from here whatever the model would pick (the forced text,
+        tokenised by the library; may differ from the tokenizer's own encoding), [] if none or the
+        backend cannot tell. The state is unchanged. Speculative decoding drafts them."""
+
 
 class CompiledGrammar(Protocol):
     """A constraint compiled for one vocabulary; hands out matchers at its start."""

@@ -77,6 +77,11 @@ class LLGuidanceMatcher:
         if num_tokens and not self._m.rollback(num_tokens):
             raise RuntimeError(f"llguidance cannot roll back {num_tokens} tokens: {self._m.get_error()}")
 
+    def forced_tokens(self) -> list[int]:
+        if self._ended or self._m.is_error() or self._m.is_stopped():
+            return []
+        return [int(t) for t in self._m.compute_ff_tokens()]
+
     @property
     def raw(self) -> Any:
         return self._m

@@ -122,6 +122,9 @@ class OutlinesMatcher:
     def is_terminated(self) -> bool:
         return self._ended
 
+    def forced_tokens(self) -> list[int]:
+        return []  # the token-level automaton has no forced-string query
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._ended:
             self._ended = False

@@ -66,6 +66,10 @@ class XGrammarMatcher:
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
+    def forced_tokens(self) -> list[int]:
+        find = getattr(self._m, "find_jump_forward_tokens", None)  # xgrammar versions without it: none
+        return [int(t) for t in find()] if find is not None else []
+
     @property
     def raw(self) -> Any:
         return self._m

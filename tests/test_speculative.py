@@ -118,11 +118,11 @@ def test_config_checks_and_dict_form():
 # --- token identity ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("corrupt", [0.0, 0.3])
-def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model, corrupt):
+def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model):
+    corrupt = 0.3
     rng = random.Random(1)
     reqs = [Request(f"r{i}", rand_prompt(rng, 4 + 9 * i), SamplingParams(max_tokens=18, temperature=t, seed=i, ignore_eos=True))
-            for i, t in enumerate([0.0, 0.8, 1.0, 0.0, 0.7, 1.2])]
+            for i, t in enumerate([0.0, 0.8, 0.0, 1.2])]
     reqs.append(Request("topk", rand_prompt(rng, 7), SamplingParams(max_tokens=15, temperature=0.9, top_k=20, top_p=0.9, seed=4)))
     reqs.append(Request("minp", rand_prompt(rng, 5), SamplingParams(max_tokens=15, temperature=1.0, min_p=0.05, seed=5, min_tokens=9)))
     plain, spec, steps = plain_and_oracle(tiny_model, reqs, corrupt)
@@ -133,14 +133,12 @@ def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model, corrupt):
     # fewer target forwards than tokens: several tokens per decoding step
     emitted = sum(s.spec_emitted for s in steps)
     assert emitted > sum(s.spec_decode_rows for s in steps)
-    if corrupt == 0.0:
-        assert accepted == verified
 
 
 def test_stops_min_tokens_and_chunked_prefill(tiny_model):
     rng = random.Random(2)
     base = [Request(f"p{i}", rand_prompt(rng, n), SamplingParams(max_tokens=16, temperature=t, seed=i, ignore_eos=True))
-            for i, (n, t) in enumerate([(3, 0.0), (40, 0.9), (17, 0.0), (25, 1.0)])]
+            for i, (n, t) in enumerate([(3, 0.0), (40, 0.9)])]
     free = run(make_engine(tiny_model), base)
     reqs = list(base)
     for i, r in enumerate(base):
@@ -157,13 +155,12 @@ def test_stops_min_tokens_and_chunked_prefill(tiny_model):
 
 @pytest.mark.parametrize(
     "config",
-    [dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=64),
-     dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)],
+    [dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)],
 )
 def test_preemption_and_rollback_keep_the_allocator_sound(tiny_model, config):
     rng = random.Random(3)
     reqs = [Request(f"p{i}", rand_prompt(rng, n), SamplingParams(max_tokens=16, temperature=[0.0, 0.8][i % 2], seed=i, ignore_eos=i != 3))
-            for i, n in enumerate((20, 31, 12, 26, 9))]
+            for i, n in enumerate((20, 31, 12, 9))]
 
     def eager(engine: Engine) -> Engine:
         engine.scheduler.config = replace(engine.scheduler.config, max_reserved_output=0)
@@ -202,7 +199,7 @@ def test_prefix_sharing_hashes_only_emitted_tokens(tiny_model):
 
 
 @given(st.integers(0, 10_000), st.floats(0.0, 0.6))
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_random_workloads_same_tokens(tiny_model, seed, corrupt):
     rng = random.Random(seed)
     reqs = [Request(f"h{i}", rand_prompt(rng, rng.randrange(1, 30)),
@@ -213,15 +210,14 @@ def test_random_workloads_same_tokens(tiny_model, seed, corrupt):
     assert_same(plain, spec)
 
 
-@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
-@pytest.mark.parametrize("method", ["grammar", "ngram+grammar"])
+@pytest.mark.parametrize("backend,method", [("llguidance", "ngram+grammar"), ("xgrammar", "grammar")])
 def test_json_schema_same_tokens_and_valid(tiny_model, backend, method):
     names = ["enum_const", "bounded_numbers", "optional_fields", "flat_object"]
     constraints = [Constraint.json_schema(json.loads((EXAMPLES / f"{n}.json").read_text())) for n in names]
     constraints += [Constraint.regex(r"[A-Z]{2}-[0-9]{3}"), Constraint.choice(["yes", "no", "maybe"])]
-    reqs = [Request(f"g{i}", [5 + i, 40, 77], SamplingParams(max_tokens=80, temperature=[1.0, 0.0][i % 2], seed=i), constraints[i % 6])
-            for i in range(8)]
-    reqs += [Request(f"u{i}", [9, 8 + i], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for i in range(2)]
+    reqs = [Request(f"g{i}", [5 + i, 40, 77], SamplingParams(max_tokens=60, temperature=[1.0, 0.0][i % 2], seed=i), constraints[i])
+            for i in range(6)]
+    reqs += [Request("u", [9, 8], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))]
     by_id = {r.request_id: r for r in reqs}
     plain = run(make_engine(tiny_model, grammar_backend=backend), reqs)
     truth = {rid: r.output_token_ids for rid, r in plain.items()}
@@ -243,7 +239,7 @@ def test_json_schema_same_tokens_and_valid(tiny_model, backend, method):
 def test_ngram_drafts_accepted_where_the_model_copies(tiny_model):
     """Greedy decoding of a random model soon loops; once it does, n-gram drafts are right."""
     rng = random.Random(5)
-    reqs = [Request(f"c{i}", rand_prompt(rng, 6) * 3, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    reqs = [Request(f"c{i}", rand_prompt(rng, 6) * 3, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i in range(2)]
     plain = run(make_engine(tiny_model), reqs)
     steps: list = []
     spec = run(make_engine(tiny_model, {"method": "ngram", "num_tokens": 4}, on_step=steps.append), reqs)

@@ -55,6 +55,11 @@ def throughput(
     grammar_threads: Optional[int] = typer.Option(None, "--grammar-threads", help="Threads that fill grammar masks."),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="torch's CPU threads (default: 1 on a GPU)."),
     profile_dir: Optional[Path] = typer.Option(None, "--profile-dir", help="Profile a few steps of the measured run into this folder."),
+    speculative: Optional[str] = typer.Option(
+        None, "--speculative", help="ngram | grammar | ngram+grammar | oracle (drafts = a recorded plain run's output)."
+    ),
+    spec_tokens: int = typer.Option(4, "--spec-tokens", help="Most draft tokens per sequence and step."),
+    oracle_corrupt: float = typer.Option(0.0, "--oracle-corrupt", help="With --speculative oracle: share of draft tokens corrupted."),
 ) -> None:
     """Run a named workload; print throughput next to the workload's roofline floor on this device."""
     import logging
@@ -81,7 +86,10 @@ def throughput(
         if v is not None
     }
     try:
-        result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir)
+        if speculative is not None and data_parallel not in (None, 1):
+            raise ValueError("--speculative runs with one engine (no --data-parallel)")
+        result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir,
+                                speculative=speculative, spec_tokens=spec_tokens, oracle_corrupt=oracle_corrupt)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -60,6 +60,8 @@ class SpeculativeConfig:
     in a step that already computes this many tokens without them; adaptive: adapt each sequence's
     n-gram draft length to its acceptance (off: always num_tokens)."""
 
+    __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
+
     method: SpeculativeMethod = "ngram"
     num_tokens: int = 4
     ngram_sizes: tuple[int, ...] = (3, 2, 1)

@@ -52,6 +52,13 @@ STEP_SCHEMA = pa.schema(
         ("num_finished", pa.int32()),
         ("schedule_ms", pa.float64()),
         ("step_ms", pa.float64()),
+        # speculative decoding (StepStats spec_*; 0 when off)
+        ("spec_drafted", pa.int32()),
+        ("spec_verified", pa.int32()),
+        ("spec_accepted", pa.int32()),
+        ("spec_rows", pa.int32()),
+        ("spec_decode_rows", pa.int32()),
+        ("spec_emitted", pa.int32()),
     ]
 )
 
@@ -121,6 +128,7 @@ def step_record(run_id: str, stats: StepStats, t0: float) -> dict[str, Any]:
         "num_finished": stats.num_finished,
         "schedule_ms": stats.schedule_ms,
         "step_ms": stats.step_ms,
+        **{f"spec_{k}": getattr(stats, f"spec_{k}") for k in ("drafted", "verified", "accepted", "rows", "decode_rows", "emitted")},
     }
 
 

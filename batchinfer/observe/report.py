@@ -137,6 +137,20 @@ def _engine_seconds(steps: pl.DataFrame) -> float:
     return float(per_run.get_column("s").sum())
 
 
+def _speculative(steps: pl.DataFrame) -> dict[str, Any] | None:
+    """Speculative decoding totals (None when the run drafted nothing, or its steps predate the columns)."""
+    keys = ("drafted", "verified", "accepted", "rows", "decode_rows", "emitted")
+    if steps.height == 0 or any(f"spec_{k}" not in steps.columns for k in keys):
+        return None
+    tot = {k: int(steps.get_column(f"spec_{k}").fill_null(0).sum()) for k in keys}
+    if not tot["drafted"]:
+        return None
+    tot["acceptance"] = tot["accepted"] / tot["verified"] if tot["verified"] else None
+    tot["mean_accepted_per_seq_step"] = tot["accepted"] / tot["rows"] if tot["rows"] else None
+    tot["tokens_per_seq_per_forward"] = tot["emitted"] / tot["decode_rows"] if tot["decode_rows"] else None
+    return tot
+
+
 def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest | None) -> dict[str, Any]:
     """The numbers of `_report.json` (everything but the run's own config/fingerprint/versions)."""
     reasons = rows.group_by("finish_reason").len().sort("finish_reason")
@@ -194,6 +208,7 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
             "peak_running": int(steps.get_column("num_running").max()),  # type: ignore[arg-type]
             "peak_waiting": int(steps.get_column("num_waiting").max()),  # type: ignore[arg-type]
         }
+    spec = _speculative(steps)
     step_ms = {"step": _dist(steps, "step_ms"), "schedule": _dist(steps, "schedule_ms")}
     total_step = float(steps.get_column("step_ms").sum()) if steps.height else 0.0
     step_ms["schedule_share"] = (float(steps.get_column("schedule_ms").sum()) / total_step) if total_step else None  # type: ignore[assignment]
@@ -220,6 +235,7 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
         "step_ms": step_ms,
         "errors_by_kind": errors_by_kind,
         "kv": kv,
+        "speculative": spec,
         "output": output,
     }
 
@@ -338,6 +354,13 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append(
             f"KV blocks: peak {kv['peak_used']:,} of {kv['total_blocks']:,} ({L.pct(kv['peak_used_frac'])}), "
             f"mean {L.pct(kv['mean_used_frac'])}; preemptions {t['step_preemptions']:,}"
+        )
+    sp = report.get("speculative")
+    if sp:
+        lines.append(
+            f"speculative decoding: drafted {sp['drafted']:,}, verified {sp['verified']:,}, accepted {sp['accepted']:,} "
+            f"({L.pct(sp['acceptance'])}); mean accepted per sequence-step {L.num(sp['mean_accepted_per_seq_step'])}; "
+            f"tokens per sequence per forward {L.num(sp['tokens_per_seq_per_forward'])}"
         )
     for kind, e in report["errors_by_kind"].items():
         lines.append(f"error {kind}: {e['count']:,} (e.g. row {e['example_id']})")

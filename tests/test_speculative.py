@@ -125,8 +125,10 @@ def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model):
             for i, t in enumerate([0.0, 0.8, 0.0, 1.2])]
     reqs.append(Request("topk", rand_prompt(rng, 7), SamplingParams(max_tokens=15, temperature=0.9, top_k=20, top_p=0.9, seed=4)))
     reqs.append(Request("minp", rand_prompt(rng, 5), SamplingParams(max_tokens=15, temperature=1.0, min_p=0.05, seed=5, min_tokens=9)))
+    reqs.append(Request("lp", rand_prompt(rng, 6), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)))
     plain, spec, steps = plain_and_oracle(tiny_model, reqs, corrupt)
     assert_same(plain, spec)
+    assert spec["lp"].logprobs == plain["lp"].logprobs and len(spec["lp"].logprobs) == 8
     accepted = sum(s.spec_accepted for s in steps)
     verified = sum(s.spec_verified for s in steps)
     assert accepted > 0 and verified > accepted * (1.0 if corrupt == 0 else 1.05) - 1e-9

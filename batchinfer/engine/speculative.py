@@ -28,8 +28,10 @@ step, so they count against the token budget and get KV blocks; the scheduler tr
 fit, a preempted sequence drops them. The draft length adapts per sequence (one more after a fully
 accepted step, accepted + 1 after a rejection), and no drafts are made when the step already has
 `max_step_tokens` tokens without them (it is compute-bound: verifying would cost, not save).
-Speculation runs the serial loop (EngineConfig.overlap is ignored) and fills masks on the loop's
-thread; CUDA graphs are used for steps without drafts only.
+Speculation runs the serial loop (EngineConfig.overlap is ignored) and fills the masks of drafted
+positions on the loop's thread. There are no fixed-width verify graphs: on a GPU a step with drafts
+replays a mixed-step CUDA graph where one fits (engine/cuda_graphs.py MixedGraphs), else runs eagerly.
+Sequences that ask for logprobs get no drafts.
 """
 
 from __future__ import annotations

@@ -8,12 +8,17 @@ mistake is one clear message, never a traceback.
 
 from __future__ import annotations
 
-import logging
-import sys
-from pathlib import Path
-from typing import Any, Optional
+import time
 
-import typer
+CLI_LOADED = time.perf_counter()  # when this module started loading (the run's phases count imports from here)
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Optional  # noqa: E402
+
+import typer  # noqa: E402
 
 app = typer.Typer(
     help="Offline batch LLM inference: Parquet/JSONL shards in, one answer per row out (resumable).",
@@ -42,12 +47,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-def _setup_logging(quiet: bool, level: str | None = None) -> None:
-    """Log lines go to stderr; --log-level wins over --quiet (which means warning)."""
+def _setup_logging(quiet: bool, level: str | None = None, log_format: str = "text") -> None:
+    """Log lines go to stderr (text, or one JSON object per line); --log-level wins over --quiet (warning)."""
+    from batchinfer.observe.logs import log_formatter
+
     if level is not None and level.lower() not in LOG_LEVELS:
         raise _fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {level!r}", EXIT_INVALID)
+    try:
+        formatter = log_formatter(log_format)
+    except ValueError as e:
+        raise _fail(str(e), EXIT_INVALID) from None
     lvl = LOG_LEVELS[level.lower()] if level is not None else (logging.WARNING if quiet else logging.INFO)
-    logging.basicConfig(level=lvl, format="%(message)s", stream=sys.stderr, force=True)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=lvl, handlers=[handler], force=True)
 
 
 def _fail(msg: str, code: int) -> "typer.Exit":
@@ -83,16 +96,34 @@ def run(
     stop_after: Optional[str] = typer.Option(
         None, "--stop-after", help="stop gracefully after this long (e.g. 90m, 2h, 3600s), exit 75; run again to resume"
     ),
+    progress_interval: float = typer.Option(
+        30.0, "--progress-interval",
+        help="seconds between progress log lines when stderr is not a terminal (cron, Airflow, CI)",
+    ),
+    log_format: str = typer.Option("text", "--log-format", help="text | json (one JSON object per log line, for log collectors)"),
 ) -> None:
     """Run a job: stream the input through the model into Parquet; resumes where a previous run stopped.
 
-    Beside the output it writes `_report.json` and `_report.html` (see `batchinfer report`). SIGTERM
-    or SIGINT (and --stop-after) stop it gracefully: finished rows committed, exit 75.
+    Progress: a bar on a terminal; otherwise a log line every --progress-interval seconds. Beside the
+    output it writes `_report.json` and `_report.html` (see `batchinfer report`), after printing the
+    summary. SIGTERM or SIGINT (and --stop-after) stop it gracefully: finished rows committed, exit 75.
     """
+    from batchinfer.job.phases import PhaseTimer
+
+    _setup_logging(quiet, log_level, log_format)
+    phases = PhaseTimer()
+    phases.mark("cli_loaded", CLI_LOADED)
     from batchinfer.job.driver import SignalHandlers, run_job
     from batchinfer.job.stop import StopRequest, Stopped, parse_duration
 
-    _setup_logging(quiet, log_level)
+    phases.mark("imports_done")
+    printed: list[bool] = []
+
+    def print_summary(s: Any) -> None:  # as soon as the rows are committed; the report is written after it
+        typer.echo(s.describe())
+        sys.stdout.flush()
+        printed.append(True)
+
     stop = handlers = None
     try:
         stop = StopRequest(parse_duration(stop_after))
@@ -100,7 +131,7 @@ def run(
         summary = run_job(
             job, overrides=set_ or [], overwrite=overwrite, progress=not quiet, metrics_port=metrics_port,
             metrics_textfile=metrics_textfile, log_token_ids=log_token_ids, trace_dir=trace, executor=executor,
-            stop=stop,
+            stop=stop, progress_interval=progress_interval, phases=phases, on_summary=print_summary,
         )
     except _user_errors() as e:
         raise _fail(str(e), EXIT_INVALID) from None
@@ -117,11 +148,23 @@ def run(
             handlers.uninstall()
         elif stop is not None:
             stop.reason = stop.reason or "the run ended"  # a signal from now on: os._exit, one line
-    typer.echo(summary.describe())
+    if not printed:  # nothing to do: no rows ran
+        typer.echo(summary.describe())
+    phases.mark("exit")
+    _log_phases(phases.as_dict(), logging.INFO if log_format == "json" else logging.DEBUG)
     if summary.stopped:
         raise _fail(f"stopped ({summary.stopped}); its finished rows are committed; run the same command again to resume", EXIT_STOPPED)
     if summary.error_rate > max_error_rate:
         raise _fail(f"{summary.error_rate:.1%} of rows have errors (over --max-error-rate {max_error_rate:g})", EXIT_ERROR_RATE)
+
+
+def _log_phases(phases: dict[str, Any], level: int) -> None:
+    """The run's phases as one log record (with --log-format json an object at info level, which
+    `bench job` reads; in text a debug line)."""
+    from batchinfer.observe.logs import FIELDS
+
+    spans = ", ".join(f"{p['name']} {p['s']:.2f}s" for p in phases.get("spans", []))
+    logging.getLogger("batchinfer.phases").log(level, "phases: %s", spans, extra={FIELDS: {"event": "phases", **phases}})
 
 
 def _sample_rows(plan: Any, columns: list[str]) -> tuple[list[Any], int]:
@@ -418,11 +461,26 @@ _STANDALONE = False  # True when this process is the `batchinfer` command itself
 
 
 def main() -> None:  # pragma: no cover
+    """The process entry point: the CLI, then a fast exit.
+
+    Every command has flushed and closed its files (parts, manifest, report) before it returns, so
+    the process then ends without the interpreter's teardown (freeing a large CUDA context, graphs and
+    caches one object at a time took seconds). Ray, once imported, keeps its own exit handlers.
+    """
     global _STANDALONE
     _STANDALONE = True
-    app()
+    code: Any = 0
+    try:
+        app()
+    except SystemExit as e:
+        code = e.code
+    if "ray" in sys.modules or not (code is None or isinstance(code, int)):
+        sys.exit(code)  # (a message as the exit code: let the interpreter print it)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    _STANDALONE = True
-    app()
+    main()

@@ -137,13 +137,42 @@ def test_changed_job_is_refused_unless_overwrite(tiny_model, tmp_path, engines):
     assert run(job(tiny_model, tmp_path, str(tmp_path / "in.parquet"), prompt={"template": "Other: {{ text }}"}, engine={"max_num_seqs": 4}), engine_factory=engines).nothing_to_do
 
 
+class NeverRuns:
+    """An engine stand-in for runs that must stop before any row reaches an engine."""
+
+    def __init__(self, spec, on_step=None):
+        self.started = True
+
+    def generate(self, requests):
+        raise AssertionError("no row may reach the engine")
+
+
+def test_a_duplicate_id_found_while_the_engine_loads_stops_the_run_before_any_row(tiny_model, tmp_path):
+    # a fresh output: the id scan runs on a thread while the engine loads; its error comes before any row
+    pq.write_table(pa.Table.from_pylist(docs(3) + docs(1, 1)), tmp_path / "dup.parquet")
+    with pytest.raises(InputError, match=r"duplicate id '1'.*dup.parquet line 2.*dup.parquet line 4"):
+        run(job(tiny_model, tmp_path, str(tmp_path / "dup.parquet")), engine_factory=NeverRuns)
+    assert not list((tmp_path / "out").glob("part-*.parquet"))
+
+
+def test_a_resumed_job_checks_its_ids_before_loading_an_engine(tiny_model, tmp_path, engines):
+    pq.write_table(pa.Table.from_pylist(docs(3)), tmp_path / "a.parquet")
+    run(job(tiny_model, tmp_path, str(tmp_path / "*.parquet")), engine_factory=engines)
+    pq.write_table(pa.Table.from_pylist(docs(1, 2)), tmp_path / "b.parquet")  # id 2 again
+
+    def no_engine(spec, on_step=None):
+        raise AssertionError("the engine must not start")
+
+    with pytest.raises(InputError, match="duplicate id '2'"):
+        run(job(tiny_model, tmp_path, str(tmp_path / "*.parquet")), engine_factory=no_engine)
+    (tmp_path / "b.parquet").unlink()
+    assert run(job(tiny_model, tmp_path, str(tmp_path / "*.parquet")), engine_factory=no_engine).nothing_to_do
+
+
 def test_whole_job_problems_are_refused_before_the_engine(tiny_model, tmp_path):
     def no_engine(spec, on_step=None):
         raise AssertionError("the engine must not start")
 
-    pq.write_table(pa.Table.from_pylist(docs(3) + docs(1, 1)), tmp_path / "dup.parquet")
-    with pytest.raises(InputError, match=r"duplicate id '1'.*dup.parquet line 2.*dup.parquet line 4"):
-        run(job(tiny_model, tmp_path, str(tmp_path / "dup.parquet")), engine_factory=no_engine)
     with pytest.raises(InputError, match="no id column 'doc_id'"):
         pq.write_table(pa.table({"x": [1]}), tmp_path / "noid.parquet")
         run(job(tiny_model, tmp_path, str(tmp_path / "noid.parquet")), engine_factory=no_engine)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,15 +103,28 @@ class Engine:
     """Offline generation over a stream of requests with continuous batching."""
 
     def __init__(
-        self, config: EngineConfig, on_step: Callable[[StepStats], None] | None = None, drafter: Drafter | None = None
+        self,
+        config: EngineConfig,
+        on_step: Callable[[StepStats], None] | None = None,
+        drafter: Drafter | None = None,
+        *,
+        tokenizer: Any = None,
+        grammar_compiler: Any = None,
     ) -> None:
         """drafter: with config.speculative, draft tokens come from it instead of n-gram lookup
-        (engine/speculative.py Drafter; the bench's oracle)."""
+        (engine/speculative.py Drafter; the bench's oracle).
+        tokenizer / grammar_compiler: the model's tokenizer and a structured.compiler.GrammarCompiler
+        for it (this vocabulary, config.grammar_backend), or Futures of them, made elsewhere while the
+        model loads (the job's preflight); None: the engine makes its own."""
         self.config = config
         self.on_step = on_step
         self.runner = ModelRunner(config)
         self.model_info = self.runner.info
-        self.tokenizer = load_tokenizer(self.model_info.model_dir)
+        t = time.perf_counter()
+        tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_info.model_dir)
+        # start-up phases (name, perf_counter start, end): the job's phase timer and `bench job` read them
+        self.startup_spans = [*self.runner.startup_spans, ("tokenizer", t, time.perf_counter())]
         self.max_model_len = self.runner.max_model_len
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size)
         sched_cfg = SchedulerConfig(
@@ -130,6 +144,7 @@ class Engine:
         self.grammar = GrammarState(
             self.tokenizer, self.runner.vocab_size, config.grammar_backend, self.model_info.eos_token_ids,
             config.grammar_threads, config.max_num_seqs, pin_memory=self.runner.device.type == "cuda",
+            compiler=grammar_compiler,
         )
         self._inflight: _InFlight | None = None
         self._last_end: Any = None  # timing event ending the last launched step (CUDA only)

@@ -10,6 +10,7 @@ those masks (and fill any row not started) just before sampling. The matchers li
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +39,13 @@ class GrammarState:
     tokenizer, vocab_size, eos_ids: the model's; backend: EngineConfig.grammar_backend;
     fill_threads: EngineConfig.grammar_threads; max_rows: the most sampling rows of a step
     (max_num_seqs); pin_memory: pin the bitmask buffers (a GPU engine: their copy to the device
-    then does not wait for earlier queued work).
+    then does not wait for earlier queued work); compiler: a GrammarCompiler made elsewhere for this
+    vocabulary and backend (or a Future of one), used instead of building one.
     """
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, backend: str, eos_ids: Seq[int], fill_threads: int | None,
-        max_rows: int, pin_memory: bool,
+        max_rows: int, pin_memory: bool, compiler: Any = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -52,7 +54,8 @@ class GrammarState:
         self._fill_threads = fill_threads
         self._max_rows = max_rows
         self._pin = pin_memory
-        self._compiler = None  # structured.compiler.GrammarCompiler, built with the first constraint
+        self._compiler = None  # structured.compiler.GrammarCompiler, built (or taken) with the first constraint
+        self._given = compiler  # one made elsewhere for this vocabulary and backend (or a Future of it)
         self._grammars: dict[Constraint, object] = {}  # compiled grammar, or the reason it cannot be
         self._masks: list[torch.Tensor] | None = None
         self._num_masks = 0
@@ -69,6 +72,12 @@ class GrammarState:
 
     def _grammar(self, constraint: Constraint):
         if constraint not in self._grammars:
+            if self._compiler is None and self._given is not None:
+                given, self._given = self._given, None
+                try:
+                    self._compiler = given.result() if isinstance(given, Future) else given
+                except Exception:  # it could not be made there: build one here (and say why per request)
+                    self._compiler = None
             if self._compiler is None:
                 from batchinfer.structured.compiler import GrammarCompiler
 

@@ -20,6 +20,7 @@ an event-guarded copy to pinned memory, so the host syncs only when it reads the
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -108,6 +109,9 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # start-up phases (name, perf_counter start, end): the job's phase timer and `bench job` read them
+        self.startup_spans: list[tuple[str, float, float]] = []
+        t = time.perf_counter()
         self.device = resolve_device(config.device)
         threads = config.torch_threads or (1 if self.device.type == "cuda" else None)
         if threads is not None and threads != torch.get_num_threads():
@@ -118,6 +122,7 @@ class ModelRunner:
         self.model, self.info = load_model(
             config.model, config.dtype, self.device, self.attention, load_format=config.load_format
         )
+        t = self._span("model_load", t)
         max_pos = self.info.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len {config.max_model_len} is over the model's max_position_embeddings {max_pos}")
@@ -127,6 +132,7 @@ class ModelRunner:
         self.activation_peak_bytes: int | None = None  # measured by _profile_free_bytes (GPU)
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate(self.num_blocks)
+        t = self._span("kv_cache", t)  # on a GPU: the profiling forward, then the allocation
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         if self._graphs_usable():
@@ -135,13 +141,22 @@ class ModelRunner:
             )
             self.graphs = DecodeGraphs(buffers, config.max_num_seqs, self.device)
             self.graphs.capture(self._logits_all)
+            t = self._span("graph_capture_decode", t)
         tokens = self._mixed_graph_tokens()
         if tokens:
             buffers = self.attention.graph_buffers(tokens, config.max_num_seqs, self.max_blocks_per_seq, False, self.device)
             self.mixed_graphs = MixedGraphs(buffers, tokens, config.max_num_seqs, self.vocab_size, self.info.dtype, self.device)
             self.mixed_graphs.capture(self._logits_at)
+            t = self._span("graph_capture_mixed", t)
         if self.device.type == "cuda":
             self._warm_up_sampling()
+            self._span("sampling_warm_up", t)
+
+    def _span(self, name: str, start: float) -> float:
+        """Record start-up phase `name` from `start` to now; returns now (the next phase's start)."""
+        now = time.perf_counter()
+        self.startup_spans.append((name, start, now))
+        return now
 
     def close(self) -> None:
         """Release the CUDA graphs and their pools, the KV cache and the model (idempotent); the

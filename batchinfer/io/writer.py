@@ -85,12 +85,13 @@ class PartWriter:
         if len(self._buffer) >= self.rows_per_part or due:
             self.flush()
 
-    def _resolve_schema(self) -> pa.Schema:
+    def _resolve_schema(self, rows: list[dict[str, Any]]) -> pa.Schema:
+        """The part schema: the given column types, the untyped ones inferred from the first part's rows."""
         if self._schema is None:
             fields = []
             for name, typ in self.columns.items():
                 if typ is None:
-                    vals = [r.get(name) for r in self._buffer]
+                    vals = [r.get(name) for r in rows]
                     try:
                         typ = pa.array(vals).type
                     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -102,7 +103,7 @@ class PartWriter:
         return self._schema
 
     def _table(self, rows: list[dict[str, Any]]) -> pa.Table:
-        schema = self._resolve_schema()
+        schema = self._resolve_schema(rows)
         id_col = self.manifest.id_column
         if id_col in schema.names:  # the id as a value of the output's id type (same canonical key)
             typ = schema.field(id_col).type
@@ -133,7 +134,16 @@ class PartWriter:
         if not self._buffer:
             return
         self.broken = True
-        table = self._table(self._buffer)
+        part = self.commit(self._buffer)
+        self._buffer = []
+        self._started = None
+        self.broken = False
+        if self.on_commit is not None:
+            self.on_commit(part)
+
+    def commit(self, rows: list[dict[str, Any]]) -> PartInfo:
+        """Write `rows` as the next part file and record it in the manifest (the part is complete or absent)."""
+        table = self._table(rows)
         meta = dict(table.schema.metadata or {})
         meta[FINGERPRINT_KEY] = self.manifest.fingerprint.encode()
         table = table.replace_schema_metadata(meta)
@@ -152,11 +162,7 @@ class PartWriter:
         self._next += 1
         self.rows_written += table.num_rows
         self.errors_written += errors
-        self._buffer = []
-        self._started = None
-        self.broken = False
-        if self.on_commit is not None:
-            self.on_commit(part)
+        return part
 
     def save_finished(self) -> None:
         """After a failure elsewhere: commit the rows that did finish (best effort), so a resume skips them."""

@@ -16,13 +16,18 @@ import logging
 import os
 import signal
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
 from batchinfer.io import manifest as mf
 from batchinfer.job.executors import executor_for
 from batchinfer.job.executors.base import Executor, RunHooks
+from batchinfer.job.phases import PhaseTimer
 from batchinfer.job.plan import JobPlan, plan_inputs
+from batchinfer.job.progress import ProgressOptions
 from batchinfer.job.spec import JobError, JobSpec, load_job
 from batchinfer.job.stage import make_engine
 from batchinfer.job.stop import EXIT_STOPPED, StopRequest, parse_duration
@@ -51,6 +56,9 @@ def run_job(
     stop_after: "str | float | None" = None,
     handle_signals: bool = False,
     stop: StopRequest | None = None,
+    progress_interval: float = 30.0,
+    phases: PhaseTimer | None = None,
+    on_summary: Callable[[RunSummary], None] | None = None,
 ) -> RunSummary:
     """Run a batch job (path, dict or JobSpec) to completion and return its summary.
 
@@ -60,9 +68,17 @@ def run_job(
     handled by the caller (the CLI: SignalHandlers). A stopped run returns its summary with `stopped`
     set, its finished rows committed.
 
-    progress: show a tqdm bar on stderr (only when it is a terminal; the CLI turns it on). on_row gets a RowRecord per
-    finished row, on_progress the running counters, on_step the engine's per-step stats. Raises JobError/InputError for a
-    job that cannot run, RunError (or the engine's exception) when the run fails.
+    progress: show it on stderr: a tqdm bar when stderr is a terminal, else a log line (logger
+    `batchinfer.progress`) every progress_interval seconds (the CLI turns it on). on_row gets a
+    RowRecord per finished row, on_progress the running counters, on_step the engine's per-step
+    stats, on_summary the summary as soon as every row is committed, before the report is written
+    (the CLI prints it there). Raises JobError/InputError for a job that cannot run, RunError (or the
+    engine's exception) when the run fails.
+
+    Start-up overlaps: on a fresh output the id scan, and always the tokenizer and the grammar compile,
+    run on threads while the engine loads (plan.py, preflight.py); their errors are raised before any
+    row is processed. phases: a PhaseTimer to record into (the CLI's, which knows when the process
+    started); the returned summary's `phases` holds what it recorded.
 
     Observability (batchinfer.observe): step and row records are always kept beside the output, and
     report writes `_report.json` / `_report.html` there at the end. metrics_port serves live Prometheus
@@ -78,21 +94,38 @@ def run_job(
         try:
             return run_job(job, overrides, overwrite, progress, engine_factory, on_row, on_progress, on_step,
                            metrics_port=metrics_port, metrics_textfile=metrics_textfile, log_token_ids=log_token_ids,
-                           trace_dir=trace_dir, report=report, executor=executor, stop=stop)
+                           trace_dir=trace_dir, report=report, executor=executor, stop=stop,
+                           progress_interval=progress_interval, phases=phases, on_summary=on_summary)
         finally:
             if handlers is not None:
                 handlers.uninstall()
-    spec = load_job(job, overrides)
+    timer = phases if phases is not None else PhaseTimer()
+    timer.mark("run_job")
+    with timer.span("load_job"):
+        spec = load_job(job, overrides)
     if executor != "ray":
         check_device(spec.engine.device)
     observe = observe_options(spec, metrics_port, metrics_textfile, log_token_ids, trace_dir, report)
-    chosen = executor_for(executor, spec)  # an unknown name, or no Ray, is refused before planning
-    plan = plan_inputs(spec, overwrite=overwrite)
     try:
-        hooks = RunHooks(engine_factory, on_row, on_progress, on_step, progress_bar=progress, stop=stop)
-        return _run_plan(plan, chosen, hooks, observe)
+        shown = ProgressOptions(progress, progress_interval)
+    except ValueError as e:
+        raise JobError(f"--progress-interval: {e}") from None
+    chosen = executor_for(executor, spec)  # an unknown name, or no Ray, is refused before planning
+    pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="preflight")
+    try:
+        with timer.span("plan"):
+            plan = plan_inputs(spec, overwrite=overwrite, pool=pool, phases=timer)
+        if observe.report:
+            pool.submit(_import_report_page)  # matplotlib takes a second or more to import: not after the run
+        try:
+            hooks = RunHooks(engine_factory, on_row, on_progress, on_step, progress=shown, stop=stop, phases=timer)
+            s = _run_plan(plan, chosen, hooks, observe, on_summary)
+        finally:
+            plan.close()
     finally:
-        plan.close()
+        pool.shutdown(wait=False, cancel_futures=True)  # after an early error, a scan still running ends by itself
+    timer.mark("run_job_end")
+    return dataclasses.replace(s, phases=timer.as_dict())
 
 
 class SignalHandlers:
@@ -207,56 +240,111 @@ def _flush_records(obs: Observer) -> None:
         log.warning("could not write run records: %s", e)
 
 
-def _finish_observer(obs: Observer, plan: JobPlan, s: RunSummary) -> RunSummary:
+def _finish_observer(obs: Observer, plan: JobPlan, s: RunSummary, phases: PhaseTimer | None) -> RunSummary:
     """Close the observer (report, textfile, trace). The output is committed: a failure here is logged, not raised."""
     facts = {
         "config": plan.spec.model_dump(mode="json"),
         "fingerprint": plan.manifest.fingerprint,
         "components": dict(plan.manifest.components),
-        "summary": dataclasses.asdict(s),
+        "summary": dataclasses.asdict(dataclasses.replace(s, phases=phases.as_dict() if phases is not None else None)),
     }
+    t = time.perf_counter()
     try:
         obs.close(facts)
     except Exception as e:
         log.error("the run's output is complete, but writing its report/metrics failed: %s: %s", type(e).__name__, e)
-    if obs.report is not None:
-        from batchinfer.io.layout import report_html_path
-
-        s = dataclasses.replace(s, report_path=str(report_html_path(plan.output_dir)))
+    if phases is not None:
+        phases.add("report", t, time.perf_counter())
+    if obs.report is None:
+        s = dataclasses.replace(s, report_path=None)
     return s
 
 
-def _run_plan(plan: JobPlan, executor: Executor, hooks: RunHooks, observe: ObserveOptions | None = None) -> RunSummary:
+def _import_report_page() -> None:
+    """Import the report page's plotting code (matplotlib) ahead of the report (on a preflight thread)."""
+    try:
+        import batchinfer.observe.page  # noqa: F401
+    except Exception as e:  # the report says so when it is written
+        log.debug("could not import the report page: %s", e)
+
+
+def _first_step_marker(phases: PhaseTimer | None) -> Callable[[Any], None] | None:
+    """An on_step callback that marks the run's first engine step (then does nothing)."""
+    if phases is None:
+        return None
+    seen: list[bool] = []
+
+    def on_step(_stats: Any) -> None:
+        if not seen:
+            seen.append(True)
+            phases.mark("first_step")
+
+    return on_step
+
+
+def _nothing_to_do(plan: JobPlan) -> RunSummary:
+    rejects_path = plan.output_dir / mf.REJECTS
+    rejects = sum(1 for _ in rejects_path.open()) if rejects_path.exists() else 0
+    s = summarize(plan, rejects, Progress(), 0.0, nothing_to_do=True)
+    write_output_formats(plan, changed=False)
+    log.debug("%s", s.describe())
+    return s
+
+
+def _run_plan(
+    plan: JobPlan,
+    executor: Executor,
+    hooks: RunHooks,
+    observe: ObserveOptions | None = None,
+    on_summary: Callable[[RunSummary], None] | None = None,
+) -> RunSummary:
+    """Start the engine while the preflight finishes, run the pending rows, summarise, then report.
+
+    A resumed output (or an input without a row) knows its pending rows first: with nothing pending,
+    no engine is loaded at all."""
+    phases = hooks.phases
     out = plan.output_dir
-    pending = plan.pending_count
-    if pending == 0:
-        rejects_path = out / mf.REJECTS
-        rejects = sum(1 for _ in rejects_path.open()) if rejects_path.exists() else 0
-        s = summarize(plan, rejects, Progress(), 0.0, nothing_to_do=True)
-        write_output_formats(plan, changed=False)
-        log.debug("%s", s.describe())
-        return s
-    log.info("%d of %d rows to do (%d already in %s); executor: %s", pending, plan.ids.num_rows,
-             plan.ids.num_rows - pending, out, executor.name)
+    if (plan.resumes or not plan.may_have_rows) and plan.pending_count == 0:
+        return _nothing_to_do(plan)
     obs = _start_observer(observe)
-    if obs is None:
-        s = executor.run(plan, hooks)
-        write_output_formats(plan)
-    else:
+    watched = hooks
+    if obs is not None:
         watched = dataclasses.replace(
             hooks, on_row=_chain(obs.on_row, hooks.on_row), on_step=_chain(obs.on_step, hooks.on_step),
             on_commit=lambda part: _flush_records(obs),
         )
-        try:
-            s = executor.run(plan, watched)
-        except BaseException:
+    watched = dataclasses.replace(watched, on_step=_chain(_first_step_marker(phases), watched.on_step))
+    try:
+        executor.prepare(plan, watched)  # the local executor loads its engine, the preflight threads go on
+        with phases.span("preflight_wait") if phases is not None else nullcontext():
+            plan.check()  # a duplicate id or a schema no backend compiles: before any row
+        pending = plan.pending_count
+        if pending == 0:  # input files without a single usable row
+            if obs is not None:
+                obs.abort()
+            return _nothing_to_do(plan)
+        log.info("%d of %d rows to do (%d already in %s); executor: %s", pending, plan.ids.num_rows,
+                 plan.ids.num_rows - pending, out, executor.name)
+        s = executor.run(plan, watched)
+    except BaseException:
+        if obs is not None:
             try:
                 obs.abort()  # keep the records (a resume's report includes them), free the port
             except Exception as e:  # the run's own failure matters more
                 log.warning("observer: %s", e)
-            raise
-        write_output_formats(plan)
-        s = _finish_observer(obs, plan, s)
+        raise
+    write_output_formats(plan)
+    if obs is not None and obs.options.report:
+        from batchinfer.io.layout import report_html_path
+
+        s = dataclasses.replace(s, report_path=str(report_html_path(out)))  # written next, after on_summary
+    if phases is not None:
+        phases.mark("summary")
+        s = dataclasses.replace(s, phases=phases.as_dict())
+    if on_summary is not None:
+        on_summary(s)
+    if obs is not None:
+        s = _finish_observer(obs, plan, s, phases)
     log.debug("%s", s.describe())
     return s
 

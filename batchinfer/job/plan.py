@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,6 +25,8 @@ from batchinfer.io.model_files import model_components
 from batchinfer.io.readers import InputError, InputFile, Reject, Row, input_columns, iter_rows, list_input_files
 from batchinfer.io.resume import HASH_COLUMN, Finished, parts_to_widen, read_finished, rewrite_parts, row_hash
 from batchinfer.io.writer import existing_schema
+from batchinfer.job.phases import PhaseTimer
+from batchinfer.job.preflight import Preflight
 from batchinfer.job.spec import JobError, JobSpec
 
 log = logging.getLogger(__name__)
@@ -33,11 +37,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class JobPlan:
-    """Everything known before the engine starts: files, ids, output folder state, fingerprint."""
+    """Everything known before the engine starts: files, output folder state, fingerprint; and the
+    preflight (the id scan, tokenizer and grammar, on threads while the model loads: plan_inputs)."""
 
     spec: JobSpec
     files: list[InputFile]
-    ids: IdCheck
+    preflight: Preflight
     model_dir: Path
     manifest: mf.Manifest
     finished: pl.Series  # canonical keys (io/id_key.py) of the ids already in the output
@@ -47,6 +52,7 @@ class JobPlan:
     outside_rows: int = 0  # committed rows whose id is in none of the current input files (inputs gone)
     outside_errors: int = 0  # ... of those, rows with an error
     redone: int = 0  # committed rows dropped because their input row changed (input.check_content)
+    id_type_from_scan: bool = False  # key_types' id column is set by check(), from the scan (a fresh output)
 
     def close(self) -> None:
         if self.lock is not None:
@@ -56,6 +62,37 @@ class JobPlan:
     @property
     def output_dir(self) -> Path:
         return Path(self.spec.output.path)
+
+    @property
+    def ids(self) -> IdCheck:
+        """Every usable id of the input (waits for the preflight's scan; raises its InputError)."""
+        return self.preflight.ids.result()
+
+    @property
+    def resumes(self) -> bool:
+        """Whether the output held committed parts when planned (then the scan was done at once)."""
+        return bool(self.manifest.parts)
+
+    def check(self) -> None:
+        """Wait for the preflight; raise the user's error it found (duplicate id, schema, tokenizer). Call
+        before reading rows for the engine or the output's columns (key_types)."""
+        self.preflight.check()
+        if self.id_type_from_scan:
+            self.id_type_from_scan = False
+            self.key_types = _widen_ids(self.spec, self.manifest, self.ids, Finished(), self.key_types)
+
+    @functools.cached_property
+    def may_have_rows(self) -> bool:
+        """False only when no input file can hold a row (Parquet footers say 0 rows, JSONL files are empty)."""
+        import pyarrow.parquet as pq
+
+        for f in self.files:
+            try:
+                if (pq.ParquetFile(f.path).metadata.num_rows if f.format == "parquet" else Path(f.path).stat().st_size) > 0:
+                    return True
+            except Exception:  # unreadable: the scan says why
+                return True
+        return False
 
     @functools.cached_property
     def pending_count(self) -> int:
@@ -101,13 +138,6 @@ def check_schema(spec: JobSpec, tokenizer: Any, vocab_size: int) -> None:
         check_constraint(spec.structured.constraint(), tokenizer, vocab_size, spec.grammar_backend)
 
 
-def _check_schema_of_model(spec: JobSpec, model_dir: Path) -> None:
-    from batchinfer.models.loader import load_model_info, load_tokenizer
-
-    info = load_model_info(str(model_dir), spec.model.dtype)
-    check_schema(spec, load_tokenizer(model_dir), info.vocab_size)
-
-
 def resolve_model(spec: JobSpec) -> Path:
     from batchinfer.models.loader import ModelLoadError, resolve_model_dir
 
@@ -129,6 +159,8 @@ def key_types(spec: JobSpec, files: list[InputFile], ids: IdCheck | None = None)
         cols = input_columns(f)
         if cols is None:
             continue
+        if spec.input.id_column not in cols:  # (the id scan says so too; here it costs one footer read)
+            raise InputError(f"{f.path}: no id column '{spec.input.id_column}' (columns: {', '.join(cols)})")
         missing = [c for c in spec.output.keep_columns if c not in cols]
         if missing:
             raise InputError(f"output.keep_columns: {', '.join(missing)} not a column of {f.path} (columns: {', '.join(cols)})")
@@ -158,17 +190,26 @@ def check_writable(out: Path) -> None:
         raise JobError(f"output.path: cannot write to {out}: {e.strerror or e}") from None
 
 
-def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
-    """Stage 1: list files, check ids, open the output folder (recover, fingerprint check)."""
+def plan_inputs(
+    spec: JobSpec, overwrite: bool = False, pool: ThreadPoolExecutor | None = None, phases: PhaseTimer | None = None
+) -> JobPlan:
+    """Stage 1: list files, check their columns and the schema's text, open the output folder (recover,
+    fingerprint check), and start the preflight on `pool`'s threads (none: at once, here): the id
+    scan, the tokenizer, the grammar compile. Call JobPlan.check() before reading rows for the engine.
+
+    An output that holds committed parts is a resume: its pending rows, the output's id type (older
+    parts widened) and the input.check_content redo all need the ids, so there the scan is done at
+    once; on a fresh output it runs while the model loads (check() then fixes the id type)."""
     model_dir = resolve_model(spec)
     out = Path(spec.output.path)
     files = [f for f in list_input_files(spec.input.path, spec.input.format) if not Path(f.path).is_relative_to(out.resolve())]
     if not files:
         raise InputError(f"input.path: no input files outside output.path ({out})")
-    ids = check_ids(files, spec.input.id_column, spec.input.duplicates)
-    types = key_types(spec, files, ids)
+    types = key_types(spec, files)  # id and kept columns of every Parquet file (footers only)
     if spec.structured is not None:
-        _check_schema_of_model(spec, model_dir)
+        from batchinfer.structured.compiler import check_schema_text
+
+        check_schema_text(spec.structured.constraint())  # a malformed schema or regex, before anything loads
     components = fingerprint_components(spec, model_dir)
     fp = mf.fingerprint_of(components)
     hashes = mf.component_hashes(components)
@@ -177,23 +218,29 @@ def plan_inputs(spec: JobSpec, overwrite: bool = False) -> JobPlan:
     check_writable(out)
     lock = mf.lock_output(out)
     try:
-        return _open_output(spec, files, ids, model_dir, types, fp, hashes, overwrite, lock)
+        manifest, recovered = _open_manifest(spec, fp, hashes, overwrite)
+        if not manifest.parts:  # a fresh output: nothing needs the ids before the engine starts
+            plan = JobPlan(spec, files, Preflight(spec, files, model_dir, pool, phases), model_dir, manifest,
+                           pl.Series("id", [], dtype=pl.Utf8), types, recovered, lock, id_type_from_scan=True)
+        else:
+            with phases.span("input_scan") if phases is not None else nullcontext():
+                ids = check_ids(files, spec.input.id_column, spec.input.duplicates)
+            types = key_types(spec, files, ids)
+            preflight = Preflight(spec, files, model_dir, pool, phases, ids=ids)
+            plan = _open_output(spec, files, preflight, model_dir, types, manifest, recovered, lock)
     except BaseException:
         lock.close()
         raise
+    if pool is None:
+        try:
+            plan.check()  # done here already: raise its error now
+        except BaseException:
+            plan.close()
+            raise
+    return plan
 
 
-def _open_output(
-    spec: JobSpec,
-    files: list[InputFile],
-    ids: IdCheck,
-    model_dir: Path,
-    key_types: dict[str, pa.DataType | None],
-    fp: str,
-    hashes: dict[str, str],
-    overwrite: bool,
-    lock: Any,
-) -> JobPlan:
+def _open_manifest(spec: JobSpec, fp: str, hashes: dict[str, str], overwrite: bool) -> tuple[mf.Manifest, int]:
     """Under the folder lock: clear (--overwrite), clean temps, check the fingerprint, recover parts."""
     out = Path(spec.output.path)
     if overwrite:
@@ -218,6 +265,22 @@ def _open_output(
         log.warning("deleted %d unreadable part file(s); their rows will be done again", deleted)
     if recovered:
         log.info("recovered %d committed part(s) missing from the manifest", recovered)
+    return manifest, recovered
+
+
+def _open_output(
+    spec: JobSpec,
+    files: list[InputFile],
+    preflight: Preflight,
+    model_dir: Path,
+    key_types: dict[str, pa.DataType | None],
+    manifest: mf.Manifest,
+    recovered: int,
+    lock: Any,
+) -> JobPlan:
+    """An output with committed parts: its finished ids, the id type (older parts widened), check_content."""
+    out = Path(spec.output.path)
+    ids = preflight.ids.result()
     finished = read_finished(manifest, spec.input.id_column)
     key_types = _widen_ids(spec, manifest, ids, finished, key_types)
     redone = _check_content(spec, files, manifest, finished) if spec.input.check_content else 0
@@ -237,7 +300,7 @@ def _open_output(
     if twice:
         log.warning("%d committed row(s) in %s repeat an id of another committed row (written by an older "
                     "version); only one of each is counted", twice, out)
-    return JobPlan(spec, files, ids, model_dir, manifest, current["id"], key_types, recovered, lock,
+    return JobPlan(spec, files, preflight, model_dir, manifest, current["id"], key_types, recovered, lock,
                    outside, outside_errors, redone)
 
 

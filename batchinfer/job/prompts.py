@@ -183,3 +183,18 @@ class PromptBuilder:
         text = self.prompt(row)
         ids = self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"]
         return text, list(ids)
+
+    def encode_many(self, rows: list[dict[str, Any]]) -> list[tuple[str, list[int]] | RowError]:
+        """encode() of each row, with one tokenizer call for the batch (a fast tokenizer encodes the
+        batch without the GIL, over its threads); a row whose prompt fails gets its RowError."""
+        texts: list[str] = []
+        out: list[Any] = []
+        for row in rows:
+            try:
+                texts.append(self.prompt(row))
+                out.append(None)
+            except RowError as e:
+                out.append(e)
+        ids = iter(self.tokenizer(texts, add_special_tokens=not self.chat)["input_ids"] if texts else [])
+        text = iter(texts)
+        return [x if x is not None else (next(text), list(next(ids))) for x in out]

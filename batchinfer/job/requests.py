@@ -3,6 +3,11 @@
 A row with n answers (`sampling.n`, or an OpenAI line's body.n) becomes n requests of one prompt,
 ids `<rid>.<i>`, answer i drawing with seed + i (so the answers differ and each is reproducible;
 answer 0 is the answer an n = 1 job gives). The engine's prefix sharing computes their prompt once.
+
+Split in two so that the heavy half can run ahead of the engine on other threads (prefetch.py):
+`prepare_batch` renders a batch of rows and tokenises them with one tokenizer call (a fast tokenizer
+releases the GIL); `requests` turns one prepared row into its Requests (the OpenAI line's sampling,
+the length check, the request ids) on the engine's side. `build` is both halves for one row.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchinfer.engine.request import Request, SamplingParams
-from batchinfer.io.readers import Row
+from batchinfer.io.readers import Reject, Row
 from batchinfer.io.resume import HASH_COLUMN, row_hash
 from batchinfer.job.spec import JobSpec
 from batchinfer.job.prompts import PromptBuilder, RowError
@@ -43,6 +48,17 @@ def answer_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=sampling.seed + index)
 
 
+@dataclass(frozen=True)
+class PreparedRow:
+    """An input item after `prepare_batch`: a Reject as it was, or a row with its prompt (text and
+    token ids) or the RowError its prompt raised."""
+
+    item: Row | Reject
+    text: str | None = None
+    ids: list[int] | None = None
+    error: RowError | None = None
+
+
 class RequestBuilder:
     """Stage 3: a row becomes its Requests (or a RowError naming what is wrong with it)."""
 
@@ -68,15 +84,37 @@ class RequestBuilder:
         return RowMeta(self.keys(row), row.file, row.line, excerpt=input_excerpt(row.values, self.prompts.columns),
                        key=row.id_key(self.key_names[0]))
 
+    def prepare_batch(self, items: list[Row | Reject]) -> list[PreparedRow]:
+        """Render and tokenise the rows of a batch (one tokenizer call); rejects pass through."""
+        rows = [i for i in items if isinstance(i, Row)]
+        encoded = iter(self.prompts.encode_many([r.values for r in rows]))
+        out = []
+        for item in items:
+            if isinstance(item, Reject):
+                out.append(PreparedRow(item))
+                continue
+            got = next(encoded)
+            out.append(PreparedRow(item, error=got) if isinstance(got, RowError) else PreparedRow(item, got[0], got[1]))
+        return out
+
     def build(self, row: Row, request_id: str) -> list[Request]:
-        """The row's requests: one per answer (all with one constraint; see the module docstring)."""
+        """The row's requests: both halves for one row (the serial path)."""
+        return self.requests(self.prepare_batch([row])[0], request_id)
+
+    def requests(self, prepared: PreparedRow, request_id: str) -> list[Request]:
+        """A prepared row's requests: one per answer (all with one constraint; see the module docstring);
+        RowError for its prompt's error, a bad OpenAI line or a prompt too long."""
+        row = prepared.item
+        assert isinstance(row, Row), "a Reject has no requests"
         sampling, constraint, n = self.sampling, self.constraint, self.n
         if self.openai:
             from batchinfer.io.openai_batch import line_request
 
             line = line_request(row.values, sampling, n, sampling.logprobs, constraint, self.whitespace)
             sampling, constraint, n = line.sampling, line.constraint, line.n
-        text, ids = self.prompts.encode(row.values)
+        if prepared.error is not None:
+            raise prepared.error
+        text, ids = prepared.text or "", prepared.ids or []
         if len(ids) >= self.max_model_len:
             limit = self.max_model_len
             raise RowError(f"prompt has {len(ids)} tokens; the model allows at most {limit - 1} (max_model_len {limit})")

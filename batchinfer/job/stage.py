@@ -18,8 +18,9 @@ from batchinfer.io import manifest as mf
 from batchinfer.io.readers import Reject, Row
 from batchinfer.io.writer import PartWriter, existing_schema, output_schema
 from batchinfer.job.plan import JobPlan
+from batchinfer.job.prefetch import Prefetch, PrefetchConfig
 from batchinfer.job.prompts import PromptBuilder, RowError
-from batchinfer.job.requests import RequestBuilder, RowMeta
+from batchinfer.job.requests import PreparedRow, RequestBuilder, RowMeta
 from batchinfer.job.results import RESULT_NAMES, AnswerGroups, ResultConverter
 from batchinfer.job.spec import JobSpec
 from batchinfer.job.summary import Progress, RowRecord
@@ -29,11 +30,13 @@ class RunError(RuntimeError):
     """The run itself failed (engine crash, disk full, every worker gone): exit code 1."""
 
 
-def make_engine(spec: JobSpec, on_step: Callable[[Any], None] | None = None):
-    """The default engine factory: batchinfer's Engine for the job's engine config."""
+def make_engine(spec: JobSpec, on_step: Callable[[Any], None] | None = None, **ready: Any):
+    """The default engine factory: batchinfer's Engine for the job's engine config.
+
+    ready: what the engine takes instead of making it (tokenizer, grammar_compiler; or Futures of them)."""
     from batchinfer.engine.engine import Engine
 
-    return Engine(spec.engine_config(), on_step=on_step)
+    return Engine(spec.engine_config(), on_step=on_step, **ready)
 
 
 # ---- setup ---------------------------------------------------------------------------------------
@@ -62,11 +65,13 @@ class RowStages:
         return read_columns(self.builder.spec, self.builder.prompts.columns)
 
 
-def row_stages(spec: JobSpec, engine: Any) -> RowStages:
-    """The request builder (the engine's tokenizer and length limit) and result converter of a job."""
+def row_stages(spec: JobSpec, engine: Any, tokenizer: Any = None) -> RowStages:
+    """The request builder (the engine's length limit; its tokenizer, or `tokenizer`: the same model's,
+    loaded by the preflight) and the result converter of a job."""
     constraint = constraint_of(spec)
-    builder = RequestBuilder(spec, engine.tokenizer, max_model_len(spec, engine), constraint)
-    return RowStages(builder, ResultConverter(spec, constraint, engine.tokenizer))
+    tok = tokenizer if tokenizer is not None else engine.tokenizer
+    builder = RequestBuilder(spec, tok, max_model_len(spec, engine), constraint)
+    return RowStages(builder, ResultConverter(spec, constraint, tok))
 
 
 def read_columns(spec: JobSpec, template_columns: Iterable[str]) -> list[str]:
@@ -76,11 +81,9 @@ def read_columns(spec: JobSpec, template_columns: Iterable[str]) -> list[str]:
     return sorted({spec.input.id_column, *spec.output.keep_columns, *template_columns, *line})
 
 
-def template_columns(spec: JobSpec, model_dir: Path) -> list[str]:
-    """The row columns the prompt template reads, without an engine (loads only the tokenizer)."""
-    from batchinfer.models.loader import load_tokenizer
-
-    return PromptBuilder(spec.prompt, load_tokenizer(model_dir)).columns
+def template_columns(plan: JobPlan) -> list[str]:
+    """The row columns the prompt template reads, without an engine (the preflight's tokenizer)."""
+    return PromptBuilder(plan.spec.prompt, plan.preflight.tokenizer.result()).columns
 
 
 def output_columns(plan: JobPlan) -> dict[str, Any]:
@@ -121,6 +124,12 @@ def rejects_file(out: Path) -> Iterator[Any]:
 # ---- execute -----------------------------------------------------------------------------------------
 
 
+def _one_by_one(items: Iterable[Row | Reject], prepare: Callable[[list[Any]], list[PreparedRow]]) -> Iterator[PreparedRow]:
+    """Stage 3 in the engine's thread, one row at a time (execute with prefetch=None)."""
+    for item in items:
+        yield from prepare([item])
+
+
 def execute(
     items: Iterable[Row | Reject],
     engine: Any,
@@ -131,15 +140,38 @@ def execute(
     on_row: Callable[[RowRecord], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     should_stop: Callable[[], None] | None = None,
+    prefetch: PrefetchConfig | None = PrefetchConfig(),
 ) -> None:
     """Feed rows to the engine lazily; write each result as it finishes (rejects to `rejects`, a text file).
 
+    prefetch: render and tokenise rows ahead of the engine on a thread pool, in batches (prefetch.py);
+    None: row by row in this thread. Either way the engine gets the same requests in the same order.
     Rows that fail before the engine (template, length) are written straight away, from inside the
     request generator (same thread), so memory stays bounded even for a long run of bad rows.
     Raises RunError when the engine ends without a result for every request. should_stop
     (StopRequest.check) is called before each request and after each result; it raises Stopped to
     end the run early (the caller commits what finished).
     """
+    ahead = Prefetch(items, stages.builder.prepare_batch, prefetch, name="prompts") if prefetch is not None else None
+    try:
+        _execute(ahead if ahead is not None else _one_by_one(items, stages.builder.prepare_batch), engine, stages,
+                 writer, rejects, progress, on_row, on_progress, should_stop)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _execute(
+    prepared: Iterable[PreparedRow],
+    engine: Any,
+    stages: RowStages,
+    writer: PartWriter,
+    rejects: Any,
+    progress: Progress,
+    on_row: Callable[[RowRecord], None] | None,
+    on_progress: Callable[[Progress], None] | None,
+    should_stop: Callable[[], None] | None,
+) -> None:
     check = should_stop or (lambda: None)
     builder, converter = stages.builder, stages.converter
     key = builder.key_names[0]
@@ -155,8 +187,9 @@ def execute(
 
     def requests() -> Iterator[Request]:
         n = 0
-        for item in items:
+        for p in prepared:
             check()
+            item = p.item
             if isinstance(item, Reject):
                 rejects.write(reject_line(item) + "\n")
                 progress.rejects += 1
@@ -165,7 +198,7 @@ def execute(
             rid = str(n)
             n += 1
             try:
-                reqs = builder.build(item, rid)
+                reqs = builder.requests(p, rid)
             except RowError as e:
                 msg = f"{e} ({Path(item.file).name} line {item.line})"
                 record = RowRecord(meta.key, "error", 0, 0, error=msg, excerpt=meta.excerpt)

@@ -1,8 +1,7 @@
-"""What a run reports: one RowRecord per finished row, the running Progress (and its bar), the RunSummary."""
+"""What a run reports: one RowRecord per finished row, the running Progress counters, the RunSummary."""
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,13 +48,6 @@ class Progress:
         self.completion_tokens += record.completion_tokens
 
 
-def progress_bar(total: int, wanted: bool):
-    """A tqdm bar of rows on stderr; shown only when wanted and stderr is a terminal."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="row", disable=not (wanted and sys.stderr.isatty()), dynamic_ncols=True, file=sys.stderr)
-
-
 @dataclass(frozen=True)
 class RunSummary:
     """What a run did. Totals cover the whole job's output folder (all runs), `this_run_*` this run."""
@@ -77,6 +69,7 @@ class RunSummary:
     recovered_parts: int = 0
     report_path: str | None = None  # the run's `_report.html`, when one was written
     stopped: str | None = None  # why the run stopped early (SIGTERM, SIGINT, the deadline); None: it finished
+    phases: dict[str, Any] | None = None  # where the wall clock went (job/phases.py PhaseTimer.as_dict)
 
     @property
     def error_rate(self) -> float:

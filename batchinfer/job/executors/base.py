@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 from batchinfer.io.manifest import PartInfo
+from batchinfer.job.phases import PhaseTimer
 from batchinfer.job.plan import JobPlan
+from batchinfer.job.progress import ProgressOptions
 from batchinfer.job.stop import StopRequest
 from batchinfer.job.summary import Progress, RowRecord, RunSummary
 
@@ -19,10 +21,11 @@ class RunHooks:
     engine_factory(spec, on_step=None) -> engine; executors that start engines in other processes send
     it there, so it must be importable by name. on_row gets a RowRecord per finished row, on_progress
     the running counters, on_step the engine's per-step stats (only where the engine runs in this
-    process), on_commit each part once it is committed and in the manifest. progress_bar: show a bar on
-    a terminal. started: when the run started (the summary's load_seconds counts from it). stop: the
-    run's StopRequest (job/stop.py), checked between engine steps, rows and requests; a stopped run
-    commits what finished and returns its summary with `stopped` set.
+    process), on_commit each part once it is committed and in the manifest. progress: a bar on a
+    terminal, log lines elsewhere (progress.py). started: when the run started (the summary's
+    load_seconds counts from it). stop: the run's StopRequest (job/stop.py), checked between engine
+    steps, rows and requests; a stopped run commits what finished and returns its summary with
+    `stopped` set. phases: the run's phase timer (start-up spans, first step, ...).
     """
 
     engine_factory: Callable[..., Any]
@@ -30,9 +33,10 @@ class RunHooks:
     on_progress: Callable[[Progress], None] | None = None
     on_step: Callable[[Any], None] | None = None
     on_commit: Callable[[PartInfo], None] | None = None
-    progress_bar: bool = False
+    progress: ProgressOptions = field(default_factory=ProgressOptions)
     started: float = field(default_factory=time.perf_counter)
     stop: StopRequest | None = None
+    phases: PhaseTimer | None = None
 
 
 @runtime_checkable
@@ -47,5 +51,11 @@ class Executor(Protocol):
     """
 
     name: ClassVar[str]
+
+    def prepare(self, plan: JobPlan, hooks: RunHooks) -> None:
+        """Start what can start before the plan's preflight is done (the driver's threads are scanning
+        the input meanwhile; `run` follows only if plan.check() passes and rows are pending). The
+        local executor loads its engine here; an executor with nothing to start does nothing."""
+        ...
 
     def run(self, plan: JobPlan, hooks: RunHooks) -> RunSummary: ...

@@ -33,8 +33,9 @@ from batchinfer.job.executors.parts import infer_types, part_ids
 from batchinfer.job.plan import JobPlan, pending_rows
 from batchinfer.job.spec import JobError, JobSpec
 from batchinfer.job.stage import RunError, output_columns, read_columns, reject_line, rejects_file, template_columns
+from batchinfer.job.progress import ProgressDisplay
 from batchinfer.job.stop import StopRequest, Stopped
-from batchinfer.job.summary import Progress, RunSummary, progress_bar, summarize
+from batchinfer.job.summary import Progress, RunSummary, summarize
 
 log = logging.getLogger(__name__)
 
@@ -464,16 +465,19 @@ class DataParallelExecutor:
     def for_job(cls, spec: JobSpec) -> "DataParallelExecutor":
         return cls(plan_data_parallel(spec))
 
+    def prepare(self, plan: JobPlan, hooks: RunHooks) -> None:
+        """Nothing: the engines start in their own processes, in run()."""
+
     def run(self, plan: JobPlan, hooks: RunHooks) -> RunSummary:
         spec = plan.spec
         columns = output_columns(plan)
-        needed = read_columns(spec, template_columns(spec, plan.model_dir))
+        needed = read_columns(spec, template_columns(plan))
         stats = Progress()
-        bar = progress_bar(plan.pending_count, hooks.progress_bar)
+        bar = ProgressDisplay(plan.pending_count, stats, hooks.progress)
 
         def on_record(rec: Any) -> None:
             stats.add(rec)
-            bar.update(1)
+            bar.update()
             if hooks.on_row is not None:
                 hooks.on_row(rec)
             if hooks.on_progress is not None:

@@ -77,6 +77,18 @@ class _Outbox:
         self.last = time.monotonic()
 
 
+class _LockedSender:
+    """The `reports` pipe, safe to send on from two threads (stage 3's feeder sends "pulled")."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, msg: Any) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
 def _start_reader(tasks: Any, stop_now: threading.Event) -> "queue.Queue[tuple]":
     inbox: "queue.Queue[tuple]" = queue.Queue()
 
@@ -115,6 +127,7 @@ def worker_main(args: WorkerArgs, tasks: Any, reports: Any, counter: Any) -> Non
 
 
 def _serve(args: WorkerArgs, tasks: Any, reports: Any, counter: Any, stop_now: threading.Event) -> None:
+    reports = _LockedSender(reports)
     spec = load_job(args.job, args.overrides)
     if args.threads:
         import torch

@@ -47,7 +47,8 @@ from batchinfer.job.executors.parts import WorkerPartWriter, infer_types
 from batchinfer.job.plan import JobPlan, pending_rows
 from batchinfer.job.spec import JobError, JobSpec, load_job
 from batchinfer.job.stage import RunError, execute, output_columns, read_columns, reject_line, row_stages, template_columns
-from batchinfer.job.summary import Progress, RunSummary, progress_bar, summarize
+from batchinfer.job.progress import ProgressDisplay
+from batchinfer.job.summary import Progress, RunSummary, summarize
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +304,9 @@ class RayExecutor:
         import_ray()  # a missing Ray is the user's error, before anything is planned
         return cls()
 
+    def prepare(self, plan: JobPlan, hooks: RunHooks) -> None:
+        """Nothing: the engines start in the Ray actors, in run()."""
+
     def run(self, plan: JobPlan, hooks: RunHooks) -> RunSummary:
         ray = import_ray()
         if not ray.is_initialized():
@@ -311,14 +315,14 @@ class RayExecutor:
         actors, gpus = num_actors(ray, spec)
         log.info("%d Ray engine actor(s)", actors)
         columns = output_columns(plan)
-        needed = read_columns(spec, template_columns(spec, plan.model_dir))
+        needed = read_columns(spec, template_columns(plan))
         head = [r.values for r in itertools.islice((r for r in pending_rows(plan, needed) if isinstance(r, Row)), 256)]
         columns = infer_types(columns, head)  # every actor writes the same schema
         with warnings.catch_warnings():  # the max_restarts/max_task_retries remote args below, on purpose
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
             ds, counter = _engine_stage(ray, plan, needed, columns, hooks.engine_factory, actors, gpus)
         stats = Progress()
-        bar = progress_bar(plan.pending_count, hooks.progress_bar)
+        bar = ProgressDisplay(plan.pending_count, stats, hooks.progress)
         known = {p.name for p in plan.manifest.parts}
         committed = errors = 0
         started = time.perf_counter()
@@ -327,6 +331,7 @@ class RayExecutor:
                 for name, rows, errs, blob in zip(*(batch.column(c).to_pylist() for c in ("part", "rows", "errors", "records"))):
                     for rec in pickle.loads(blob) if blob else ():
                         stats.add(rec)
+                        bar.update()  # per row, as the records arrive
                         if hooks.on_row is not None:
                             hooks.on_row(rec)
                         if hooks.on_progress is not None:
@@ -337,7 +342,6 @@ class RayExecutor:
                     known.add(name)
                     plan.manifest.add_part(part)
                     committed, errors = committed + rows, errors + errs
-                    bar.update(rows)
                     if hooks.on_commit is not None:
                         hooks.on_commit(part)
         except Exception as e:

@@ -22,6 +22,7 @@ from typing import Any
 import polars as pl
 
 from batchinfer.io.manifest import Manifest
+from batchinfer.io.scan import scan_parquet_union
 
 ANSWER_CHARS = 500  # a sample answer is cut here
 MAX_FIELDS = 40
@@ -47,7 +48,7 @@ def output_frame(manifest: Manifest | None) -> pl.LazyFrame | None:
         return None
     from batchinfer.io.id_key import array_keys
 
-    lf = pl.scan_parquet(manifest.part_paths, missing_columns="insert", extra_columns="ignore")
+    lf = scan_parquet_union(list(manifest.part_paths))
     canonical = pl.col(manifest.id_column).map_batches(lambda s: pl.from_arrow(array_keys(s.to_arrow())), return_dtype=pl.Utf8)
     lf = lf.with_columns(canonical.alias("_id"))
     names = lf.collect_schema().names()

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+
+from batchinfer.io.scan import scan_parquet_union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -285,4 +287,4 @@ def read_parts(folder: Path, schema: pa.Schema) -> pl.DataFrame:
     if not paths:
         return pl.from_arrow(schema.empty_table())  # type: ignore[return-value]
     target = pl.from_arrow(schema.empty_table()).schema  # type: ignore[union-attr]
-    return pl.scan_parquet(paths, schema=target, missing_columns="insert", extra_columns="ignore").collect()
+    return scan_parquet_union(paths, target).collect()

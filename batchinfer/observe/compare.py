@@ -386,7 +386,7 @@ def summary_text(c: Comparison, rows: int = 10) -> str:
                      f"(min {L.num(fp['min'])}, max {L.num(fp['max'])}) over {fp['rows']:,} rows; "
                      f"{c.same_prompt_differing:,} of them had the same prompt tokens in both runs")
     elif c.differing:
-        lines.append("first differences by character (run both with --log-token-ids for token positions)")
+        lines.append("first differences by character (token positions need --log-token-ids in both runs and one answer per row)")
     if c.fields:
         lines.append("field agreement: " + ", ".join(f"{f.path} {L.pct(f.share)}" for f in c.fields))
     width = max(len(label) for label, _ in NUMBERS.values())

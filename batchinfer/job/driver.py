@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from batchinfer.io import manifest as mf
+from batchinfer.io import layout
 from batchinfer.job.executors import executor_for
 from batchinfer.job.executors.base import Executor, RunHooks
 from batchinfer.job.plan import JobPlan, plan_inputs
@@ -165,7 +165,7 @@ def observe_options(
         raise JobError(f"--trace {trace_dir}: is a file, not a folder")
     try:
         return ObserveOptions(
-            out_dir=Path(spec.output.path),
+            out_dir=spec.output.path,
             metrics_port=metrics_port,
             metrics_textfile=Path(metrics_textfile) if metrics_textfile is not None else None,
             log_token_ids=log_token_ids,
@@ -220,9 +220,7 @@ def _finish_observer(obs: Observer, plan: JobPlan, s: RunSummary) -> RunSummary:
     except Exception as e:
         log.error("the run's output is complete, but writing its report/metrics failed: %s: %s", type(e).__name__, e)
     if obs.report is not None:
-        from batchinfer.io.layout import report_html_path
-
-        s = dataclasses.replace(s, report_path=str(report_html_path(plan.output_dir)))
+        s = dataclasses.replace(s, report_path=str(layout.report_html_path(plan.output_dir)))
     return s
 
 
@@ -230,8 +228,7 @@ def _run_plan(plan: JobPlan, executor: Executor, hooks: RunHooks, observe: Obser
     out = plan.output_dir
     pending = plan.pending_count
     if pending == 0:
-        rejects_path = out / mf.REJECTS
-        rejects = sum(1 for _ in rejects_path.open()) if rejects_path.exists() else 0
+        rejects = layout.rejects_path(out).count_lines()
         s = summarize(plan, rejects, Progress(), 0.0, nothing_to_do=True)
         write_output_formats(plan, changed=False)
         log.debug("%s", s.describe())
@@ -275,7 +272,7 @@ def write_output_formats(plan: JobPlan, changed: bool = True) -> None:
         return
     piece = TokenTexts(load_tokenizer(plan.model_dir) if plan.spec.sampling.logprobs is not None else None)
     ok, bad = openai_batch.write_output_files(
-        plan.output_dir, [Path(p) for p in m.part_paths], plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
+        plan.output_dir, m.part_paths, plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
     )
     log.info("wrote %s (%d lines) and %s (%d lines)", openai_batch.RESULTS, ok, openai_batch.ERRORS, bad)
 

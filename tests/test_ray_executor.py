@@ -152,8 +152,8 @@ def test_ray_openai_batch_file_matches_local(tiny_model, tmp_path, local_ray):
         del run["prompt"]
         batchinfer.run(run, executor="ray" if out == "ray" else "local")
         got = {}
-        for name in ("results.jsonl", "errors.jsonl"):
-            for x in (tmp_path / out / name).read_text().splitlines():
+        for name, path in zip(("results.jsonl", "errors.jsonl"), layout.openai_paths(tmp_path / out)):
+            for x in path.read_text().splitlines():
                 r = json.loads(x)
                 body = (r["response"] or {}).get("body", {})
                 got[r["custom_id"]] = (name, [c["message"]["content"] for c in body.get("choices", [])], r["error"])
@@ -162,5 +162,5 @@ def test_ray_openai_batch_file_matches_local(tiny_model, tmp_path, local_ray):
     local, on_ray = answers("local"), answers("ray")
     assert sorted(on_ray) == ["c0", "c1", "c2", "c3", "c4", "c5", "c9"] and on_ray == local
     assert on_ray["c9"][0] == "errors.jsonl"
-    rejects = [json.loads(x) for x in (tmp_path / "ray" / REJECTS).read_text().splitlines()]
+    rejects = [json.loads(x) for x in layout.rejects_path(tmp_path / "ray").read_text().splitlines()]
     assert [(r["line"], r["reason"].split(" (")[0]) for r in rejects] == [(7, "duplicate custom_id 'c1'")]

@@ -160,8 +160,13 @@ class Manifest:
         self.save()
 
     @property
-    def part_paths(self) -> list[Location]:
+    def part_locations(self) -> list[Location]:
         return [self.folder / p.name for p in self.parts]
+
+    @property
+    def part_paths(self) -> list[str]:
+        """The recorded parts as path / URI strings (part_locations for reading them on any store)."""
+        return [str(p) for p in self.part_locations]
 
     def finished_ids(self) -> pl.Series:
         """Canonical keys (batchinfer.io.id_key) of the ids in the recorded parts: the truth for resume.
@@ -169,7 +174,7 @@ class Manifest:
         Read part by part: parts may hold the id in different types (an output whose id type widened)."""
         from batchinfer.io.id_key import array_keys
 
-        tables = read_tables(self.part_paths, [self.id_column])
+        tables = read_tables(self.part_locations, [self.id_column])
         keys = [array_keys(t.column(self.id_column)) for t in tables]
         if not keys:
             return pl.Series("id", [], dtype=pl.Utf8)

@@ -272,7 +272,7 @@ def write_output_formats(plan: JobPlan, changed: bool = True) -> None:
         return
     piece = TokenTexts(load_tokenizer(plan.model_dir) if plan.spec.sampling.logprobs is not None else None)
     ok, bad = openai_batch.write_output_files(
-        plan.output_dir, m.part_paths, plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
+        plan.output_dir, m.part_locations, plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
     )
     log.info("wrote %s (%d lines) and %s (%d lines)", openai_batch.RESULTS, ok, openai_batch.ERRORS, bad)
 

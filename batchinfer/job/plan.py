@@ -153,13 +153,19 @@ def key_types(spec: JobSpec, files: list[InputFile], ids: IdCheck | None = None)
 def check_writable(out: Location) -> None:
     """Create the output folder and its records folder and prove a file can be written there (a
     read-only folder, file system or bucket is the user's error: JobError, exit 2, before anything loads).
-    The probe goes in the records folder: the output folder only ever holds parts."""
+    The probe is written in the records folder's tmp/ and, on the local disk, renamed into the output
+    folder and removed at once, the path every part takes."""
     probe = layout.tmp_dir(out) / f".probe-{os.getpid()}.tmp"  # in tmp/: removed by the next start if left behind
     try:
         out.makedirs()
         layout.records_dir(out).makedirs()
         probe.write_atomic(b"")
-        probe.delete()
+        if probe.atomic_rename:
+            moved = out / probe.name
+            probe.move_to(moved)
+            moved.delete()
+        else:
+            probe.delete()
     except OSError as e:
         raise JobError(f"output.path: cannot write to {out}: {e.strerror or e}") from None
 

@@ -48,7 +48,7 @@ def output_frame(manifest: Manifest | None) -> pl.LazyFrame | None:
     from batchinfer.io.id_key import array_keys
     from batchinfer.io.manifest import scan_parts
 
-    lf = scan_parts(manifest.part_paths)
+    lf = scan_parts(manifest.part_locations)
     canonical = pl.col(manifest.id_column).map_batches(lambda s: pl.from_arrow(array_keys(s.to_arrow())), return_dtype=pl.Utf8)
     lf = lf.with_columns(canonical.alias("_id"))
     names = lf.collect_schema().names()

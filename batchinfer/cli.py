@@ -4,6 +4,10 @@ Exit codes: 0 done; 1 the run failed; 2 invalid job or arguments; 3 the run fini
 rows with errors is over --max-error-rate; 75 (EX_TEMPFAIL) the run was stopped (SIGTERM, SIGINT,
 --stop-after) after committing what it had finished: run the same command again to resume. A user's
 mistake is one clear message, never a traceback.
+
+`run` prints its summary as one JSON line, the last line on stdout, when stdout is not a terminal or
+with --summary-json (the human summary then goes to stderr); --no-summary-json keeps the human text
+on stdout. Help text is shown as written (no Rich markup: `batchinfer[ray]` stays literal).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_ERROR_RATE, EXIT_STOPPED = 0, 1, 2, 3, 75
@@ -37,11 +42,12 @@ SetOpt = typer.Option(None, "--set", help="override a field: key.path=value (YAM
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean the user's job, data or model is wrong (exit 2)."""
     from batchinfer.io.readers import InputError
+    from batchinfer.io.store import StoreError
     from batchinfer.job.spec import JobError
     from batchinfer.models.loader import ModelLoadError
     from batchinfer.structured.base import GrammarError
 
-    return (JobError, InputError, ModelLoadError, GrammarError)
+    return (JobError, InputError, ModelLoadError, GrammarError, StoreError)
 
 
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -68,6 +74,45 @@ def _fail(msg: str, code: int) -> "typer.Exit":
     return typer.Exit(code)
 
 
+def version() -> str:
+    """The installed package's version (the source tree's pyproject when run from a checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("batchinfer")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a tree that is not installed
+        return "unknown"
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"batchinfer {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True, help="print the version and exit"
+    ),
+) -> None:
+    """Offline batch LLM inference: Parquet/JSONL shards in, one answer per row out (resumable)."""
+
+
+STATUS = {0: "done", 1: "failed", 2: "invalid", 3: "too_many_errors", 75: "stopped"}
+
+
+def summary_json(code: int, summary: Any = None, error: str | None = None) -> str:
+    """The run's outcome as one JSON line: status, exit_code, error, and every RunSummary field."""
+    out: dict[str, Any] = {"status": STATUS.get(code, "failed"), "exit_code": code, "error": error}
+    if summary is not None:
+        out.update(dataclasses.asdict(summary))
+        out["error_rate"] = summary.error_rate
+        if summary.nothing_to_do and code == 0:
+            out["status"] = "nothing_to_do"
+    return json.dumps(out, default=str, separators=(",", ":"))
+
+
 @app.command()
 def run(
     job: Path = JobArg,
@@ -82,7 +127,7 @@ def run(
         None, "--metrics-textfile", help="write the run's metrics as a node-exporter textfile (.prom) at the end"
     ),
     log_token_ids: bool = typer.Option(
-        False, "--log-token-ids", help="write every row's prompt and output token ids to OUTPUT/_token_ids/"
+        False, "--log-token-ids", help="write every row's prompt and output token ids to token_ids/ in the records folder beside the output"
     ),
     trace: Optional[Path] = typer.Option(None, "--trace", help="write a torch profiler trace of a few engine steps to DIR"),
     log_level: Optional[str] = typer.Option(
@@ -101,12 +146,18 @@ def run(
         help="seconds between progress log lines when stderr is not a terminal (cron, Airflow, CI)",
     ),
     log_format: str = typer.Option("text", "--log-format", help="text | json (one JSON object per log line, for log collectors)"),
+    as_json: Optional[bool] = typer.Option(
+        None, "--summary-json/--no-summary-json",
+        help="print the summary as one JSON line, the last on stdout (human text to stderr); default: when stdout is not a terminal",
+    ),
 ) -> None:
     """Run a job: stream the input through the model into Parquet; resumes where a previous run stopped.
 
-    Progress: a bar on a terminal; otherwise a log line every --progress-interval seconds. Beside the
-    output it writes `_report.json` and `_report.html` (see `batchinfer report`), after printing the
-    summary. SIGTERM or SIGINT (and --stop-after) stop it gracefully: finished rows committed, exit 75.
+    Progress: a bar on a terminal; otherwise a log line every --progress-interval seconds. Its run
+    records (manifest, rejects, per-row and per-step records, report.json / report.html) go in the
+    folder _NAME.batchinfer beside the output folder (see `batchinfer report`); the report is written
+    after the summary is printed. SIGTERM or SIGINT (and --stop-after) stop it gracefully: finished
+    rows committed, exit 75.
     """
     from batchinfer.job.phases import PhaseTimer
 
@@ -120,11 +171,19 @@ def run(
     printed: list[bool] = []
 
     def print_summary(s: Any) -> None:  # as soon as the rows are committed; the report is written after it
-        typer.echo(s.describe())
+        typer.echo(s.describe(), err=json_mode)
         sys.stdout.flush()
         printed.append(True)
 
     stop = handlers = None
+    json_mode = as_json if as_json is not None else not sys.stdout.isatty()
+
+    def fail(msg: str, code: int, summary: Any = None) -> "typer.Exit":
+        exit_ = _fail(msg, code)
+        if json_mode:
+            typer.echo(summary_json(code, summary, msg))
+        return exit_
+
     try:
         stop = StopRequest(parse_duration(stop_after))
         handlers = SignalHandlers(stop, exit_code=EXIT_STOPPED).install()
@@ -134,13 +193,13 @@ def run(
             stop=stop, progress_interval=progress_interval, phases=phases, on_summary=print_summary,
         )
     except _user_errors() as e:
-        raise _fail(str(e), EXIT_INVALID) from None
+        raise fail(str(e), EXIT_INVALID) from None
     except (Stopped, KeyboardInterrupt) as e:
         why = e.reason if isinstance(e, Stopped) else "interrupted"
-        raise _fail(f"stopped ({why}); what was committed is kept; run the same command again to resume", EXIT_STOPPED) from None
+        raise fail(f"stopped ({why}); what was committed is kept; run the same command again to resume", EXIT_STOPPED) from None
     except Exception as e:
         logging.getLogger("batchinfer").debug("run failed", exc_info=True)
-        raise _fail(f"the run failed: {type(e).__name__}: {e}", EXIT_FAILED) from None
+        raise fail(f"the run failed: {type(e).__name__}: {e}", EXIT_FAILED) from None
     finally:
         # A process of its own keeps the handlers to its end, so a signal while it shuts down (threads
         # being joined) exits quietly too; called in-process (tests, CliRunner) they are put back.
@@ -149,13 +208,16 @@ def run(
         elif stop is not None:
             stop.reason = stop.reason or "the run ended"  # a signal from now on: os._exit, one line
     if not printed:  # nothing to do: no rows ran
-        typer.echo(summary.describe())
+        typer.echo(summary.describe(), err=json_mode)
     phases.mark("exit")
     _log_phases(phases.as_dict(), logging.INFO if log_format == "json" else logging.DEBUG)
     if summary.stopped:
-        raise _fail(f"stopped ({summary.stopped}); its finished rows are committed; run the same command again to resume", EXIT_STOPPED)
+        raise fail(f"stopped ({summary.stopped}); its finished rows are committed; run the same command again to resume", EXIT_STOPPED, summary)
     if summary.error_rate > max_error_rate:
-        raise _fail(f"{summary.error_rate:.1%} of rows have errors (over --max-error-rate {max_error_rate:g})", EXIT_ERROR_RATE)
+        msg = f"{summary.error_rate:.1%} of rows have errors (over --max-error-rate {max_error_rate:g})"
+        raise fail(msg, EXIT_ERROR_RATE, summary)
+    if json_mode:
+        typer.echo(summary_json(EXIT_OK, summary))
 
 
 def _log_phases(phases: dict[str, Any], level: int) -> None:
@@ -214,11 +276,12 @@ def _device(device: str) -> str:
 
 @app.command()
 def report(
-    out_dir: Path = typer.Argument(..., help="a job's output folder", show_default=False),
+    out_dir: str = typer.Argument(..., help="a job's output folder (a path or a URI such as s3://bucket/out/x)", show_default=False),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug | info | warning | error (default: warning)"),
 ) -> None:
-    """Print a finished (or dead) run's summary again and rewrite its report: `_report.json` (numbers) and
-    `_report.html` (headline, sample answers, what the answers say, throughput, latency, KV use)."""
+    """Print a finished (or dead) run's summary again and rewrite its report (in the records folder
+    beside the output): report.json (numbers) and report.html (headline, sample answers, what the
+    answers say, throughput, latency, KV use)."""
     from batchinfer.observe import report_command
 
     _setup_logging(True, log_level)
@@ -319,7 +382,7 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
     try:
         spec, p, tokenizer, info = _load_for_checks(job, set_ or [])
         builder = PromptBuilder(spec.prompt, tokenizer)
-        manifest = Manifest.load(Path(spec.output.path))
+        manifest = Manifest.load(spec.output.path)
         finished = manifest.finished_ids() if manifest else pl.Series("id", [], dtype=pl.Utf8)
         p.finished = finished
         prompt_lens: list[int] = []

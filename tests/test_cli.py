@@ -175,3 +175,47 @@ def test_import_batchinfer_is_cheap_and_run_is_a_function():
             "loaded = [m for m in sys.modules if m.startswith('batchinfer.')]; assert not loaded, loaded")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_version():
+    from importlib import metadata
+
+    r = invoke("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"batchinfer {metadata.version('batchinfer')}"
+
+
+def test_help_shows_the_ray_extra_literally():
+    r = invoke("run", "--help")
+    assert "pip install 'batchinfer[ray]'" in " ".join(r.stdout.split())
+
+
+def last_json(r) -> dict:
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_summary_json_is_the_last_stdout_line_for_every_outcome(job_file, tmp_path):
+    r = invoke("run", job_file, "-q", "--summary-json")  # one row of seven has an error: exit 3
+    s = last_json(r)
+    assert r.exit_code == 3 and s["exit_code"] == 3 and s["status"] == "too_many_errors"
+    assert s["rows_done"] == 7 and s["error_rows"] == 1 and s["error_rate"] == pytest.approx(1 / 7)
+    assert s["output_path"] == str(tmp_path / "out") and "done:" not in r.stdout and "done:" in r.stderr
+    r = invoke("run", job_file, "--summary-json", "--max-error-rate", "0.5")
+    assert r.exit_code == 0 and last_json(r)["status"] == "nothing_to_do" and last_json(r)["this_run_rows"] == 0
+    r = invoke("run", job_file, "--summary-json", "--set", "sampling.max_tokens=9")
+    assert r.exit_code == 2 and last_json(r)["status"] == "invalid" and "different job" in last_json(r)["error"]
+    # CliRunner's stdout is not a terminal: JSON by default; --no-summary-json keeps the human text on stdout
+    assert last_json(invoke("run", job_file, "--max-error-rate", "0.5"))["status"] == "nothing_to_do"
+    r = invoke("run", job_file, "--no-summary-json", "--max-error-rate", "0.5")
+    assert r.exit_code == 0 and r.stdout.startswith("nothing to do") and "{" not in r.stdout
+
+
+def test_summary_json_on_a_failed_run(job_file, monkeypatch):
+    from batchinfer.engine.engine import Engine
+
+    def boom(self, requests):
+        raise RuntimeError("device lost")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(Engine, "generate", boom)
+    r = invoke("run", job_file, "-q", "--summary-json")
+    assert r.exit_code == 1 and last_json(r) == {"status": "failed", "exit_code": 1, "error": "the run failed: RuntimeError: device lost"}

@@ -12,7 +12,7 @@ import pytest
 import batchinfer
 from batchinfer.job.executors.data_parallel import Coordinator, DataParallelPlan, _Worker, plan_data_parallel, sigkill_workers_after
 from batchinfer.job.executors.parts import WorkerPartWriter
-from batchinfer.io.manifest import MANIFEST, REJECTS
+from batchinfer.io import layout
 from batchinfer.io.readers import Row
 from batchinfer.io.writer import output_schema
 from batchinfer.job.spec import JobError, load_job
@@ -49,8 +49,9 @@ def read(out: Path) -> pl.DataFrame:
 def assert_exactly_once(out: Path) -> pl.DataFrame:
     df = read(out)
     assert df["doc_id"].to_list() == list(range(N_ROWS))
-    assert json.loads((out / MANIFEST).read_text())["rows"] == N_ROWS
-    assert not [f for f in out.iterdir() if f.name.startswith("_tmp")]
+    assert json.loads(layout.manifest_path(out).read_text())["rows"] == N_ROWS
+    assert [f.name for f in out.iterdir() if not f.name.startswith("part-")] == []
+    assert not layout.tmp_dir(out).files()
     return df
 
 
@@ -106,10 +107,10 @@ def test_two_workers_give_the_same_rows_as_one(tiny_model, tmp_path):
     cols = ["doc_id", "output_text", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
     assert a.select(cols).equals(b.select(cols))  # greedy float32: identical answers per id
     assert b.filter(pl.col("doc_id") == 5)["error"][0] and b.schema["doc_id"] == pl.Int64
-    assert (tmp_path / "one" / REJECTS).read_text() == (tmp_path / "two" / REJECTS).read_text() != ""
+    assert layout.rejects_path(tmp_path / "one").read_text() == layout.rejects_path(tmp_path / "two").read_text() != ""
     assert two.this_run_rows == one.this_run_rows == N_ROWS and two.rejects == 1 and len(seen) == N_ROWS
     assert two.completion_tokens == one.completion_tokens
-    assert json.loads((tmp_path / "two" / MANIFEST).read_text())["rows"] == N_ROWS
+    assert json.loads(layout.manifest_path(tmp_path / "two").read_text())["rows"] == N_ROWS
     assert batchinfer.run(job(tiny_model, tmp_path, "two", 2)).nothing_to_do
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from batchinfer.engine import Engine, EngineConfig, Request, SamplingParams
+from batchinfer.io import layout
 from batchinfer.structured.base import Constraint
 
 
@@ -146,7 +147,7 @@ def test_logprob_columns_match_transformers(tiny_model, tmp_path, hf):
             assert [t["token_id"] for t in top] == ref[j].topk(3).indices.tolist() and top[0]["token_id"] == tid
             assert [t["token"] for t in top] == [tokenizer.decode([t["token_id"]], skip_special_tokens=False) for t in top]
     # the same numbers in results.jsonl, as the OpenAI API lays them out
-    lines = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in layout.openai_paths(tmp_path / "out")[0].read_text().splitlines()]
     assert sorted(r["custom_id"] for r in lines) == sorted(df["doc_id"])
     for r in lines:
         row = df.filter(pl.col("doc_id") == r["custom_id"]).row(0, named=True)

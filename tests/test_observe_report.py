@@ -174,7 +174,7 @@ def test_report_numbers_are_the_outputs(runs):
 def test_report_page_in_chromium(runs):
     out, tmp = runs["s"], runs["tmp"]
     report = report_of(out)
-    page = layout.report_html_path(out)
+    page = layout.report_html_path(out).local_path()
     html = page.read_text()
     assert "http://" not in html and "https://" not in html  # self-contained
     dom = chromium_dom(page, tmp)
@@ -190,7 +190,7 @@ def test_report_page_in_chromium(runs):
         assert r["id"] in ok and visible(r["answer"]) in ok and r["excerpt"] in ok
     assert "template column" in dom and "bad" in dom
     href = re.search(r'id="rejects-link" href="([^"]+)"', dom).group(1)
-    assert (page.parent / href).resolve() == layout.rejects_path(out).resolve()
+    assert (page.parent / href).resolve() == layout.rejects_path(out).local_path().resolve()
     # a decoded distribution plot per enum (and boolean) field, a histogram for the integer field
     for path in (*ENUM_FIELDS, "m.n"):
         tag = re.search(rf'<img id="plot-field-{path.replace(".", "-")}"[^>]*>', dom)
@@ -301,8 +301,10 @@ def test_excerpts_are_kept_for_a_few_rows_of_each_outcome(tmp_path):
 
 def test_records_follow_the_layout(tmp_path, monkeypatch):
     """Every record path comes from io/layout.py: moving them is a change there alone."""
+    from batchinfer.io.store import location
+
     out, hidden = tmp_path / "out", tmp_path / ".out.records"
-    monkeypatch.setattr(layout, "records_dir", lambda o: Path(o).parent / f".{Path(o).name}.records")
+    monkeypatch.setattr(layout, "records_dir", lambda o: location(Path(str(o)).parent / f".{Path(str(o)).name}.records"))
     with Observer(ObserveOptions(out_dir=out, log_token_ids=True, report=False)) as obs:
         sim = simulate(12, start=obs.t0)
         manifest = Manifest(out, fingerprint="fp", id_column="id")
@@ -311,7 +313,8 @@ def test_records_follow_the_layout(tmp_path, monkeypatch):
         commit_part(out, manifest, list(sim.results.values()))
     assert "rows 12 " in report_command(out)
     assert sorted(p.name for p in out.iterdir()) == ["part-000000.parquet"]
-    assert {p.name for p in hidden.iterdir()} >= {"_manifest.json", "_rows", "_steps", "_token_ids", "_report.json", "_report.html"}
+    assert {p.name for p in hidden.iterdir()} >= {"manifest.json", "rows", "steps", "token_ids", "report.json", "report.html"}
+    assert not (tmp_path / "_out.batchinfer").exists()
     assert read_token_ids(out).height == 12
 
 

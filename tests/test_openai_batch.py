@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from batchinfer.engine.request import SamplingParams
-from batchinfer.io.manifest import MANIFEST, REJECTS
+from batchinfer.io import layout
 from batchinfer.io.openai_batch import line_request
 from batchinfer.job.prompts import RowError
 from batchinfer.structured.base import Constraint
@@ -120,7 +120,7 @@ def cli(job: Path, *args: str):
     return CliRunner().invoke(app, ["run", str(job), "-q", *args])
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
@@ -156,13 +156,13 @@ def test_openai_batch_file_end_to_end_with_bad_lines(tiny_model, tmp_path):
     done = cli(write_job(tmp_path, tiny_model), "--max-error-rate", "1")
     assert done.exit_code == 0, done.output
     out = tmp_path / "out"
-    rejects = {r["line"]: r for r in read_jsonl(out / REJECTS)}
+    rejects = {r["line"]: r for r in read_jsonl(layout.rejects_path(out))}
     assert sorted(rejects) == [4, 5, 6] and all(r["file"].endswith("batch.jsonl") for r in rejects.values())
     assert rejects[4]["reason"].startswith("not valid JSON")
     assert rejects[5]["reason"] == "id column 'custom_id' is missing"
     assert rejects[6]["reason"] == "duplicate custom_id 'a' (first at batch.jsonl line 1, which is the one answered)"
-    results = {r["custom_id"]: r for r in read_jsonl(out / "results.jsonl")}
-    errors = {r["custom_id"]: r for r in read_jsonl(out / "errors.jsonl")}
+    results = {r["custom_id"]: r for r in read_jsonl(layout.openai_paths(out)[0])}
+    errors = {r["custom_id"]: r for r in read_jsonl(layout.openai_paths(out)[1])}
     assert not set(results) & set(errors) and set(results) | set(errors) == set("abcdef")  # every custom_id once
     assert {"a", "b"} <= set(results)
     for r in results.values():
@@ -183,7 +183,7 @@ def test_openai_batch_file_end_to_end_with_bad_lines(tiny_model, tmp_path):
 
 def committed_parts(out: Path) -> int:
     try:
-        return len(json.loads((out / MANIFEST).read_text())["parts"])
+        return len(json.loads(layout.manifest_path(out).read_text())["parts"])
     except (OSError, ValueError, KeyError):
         return 0
 
@@ -203,22 +203,22 @@ def test_kill_and_resume_every_custom_id_once_across_results_and_errors(tiny_mod
     assert p.poll() is None, f"the run ended before the kill:\n{p.communicate()[0]}"
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    assert 1 <= committed_parts(out) and not (out / "results.jsonl").exists()
+    assert 1 <= committed_parts(out) and not layout.openai_paths(out)[0].exists()
     done = cli(job)
     assert done.exit_code == 3, done.output  # r05 is an error row: over --max-error-rate 0
-    results, errors = read_jsonl(out / "results.jsonl"), read_jsonl(out / "errors.jsonl")
+    results, errors = read_jsonl(layout.openai_paths(out)[0]), read_jsonl(layout.openai_paths(out)[1])
     got = [r["custom_id"] for r in results + errors]
     assert sorted(got) == ids  # every custom_id exactly once across the two files
     assert [e["custom_id"] for e in errors] == ["r05"]
     for r in results:
         check_result_shape(r, tiny_model)
     # a run with nothing to do rewrites a missing file, byte for byte the same
-    before = (out / "results.jsonl").read_bytes(), (out / "errors.jsonl").read_bytes()
-    (out / "errors.jsonl").unlink()
+    before = layout.openai_paths(out)[0].read_bytes(), layout.openai_paths(out)[1].read_bytes()
+    layout.openai_paths(out)[1].delete()
     from batchinfer.job import run_job as run
 
     assert run(job).nothing_to_do
-    assert ((out / "results.jsonl").read_bytes(), (out / "errors.jsonl").read_bytes()) == before
+    assert (layout.openai_paths(out)[0].read_bytes(), layout.openai_paths(out)[1].read_bytes()) == before
 
 
 def test_a_line_without_a_constraint_is_not_checked_against_the_jobs(tiny_model, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 import gzip
 import json
-import math
 import tempfile
 from decimal import Decimal
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchinfer.io import layout
 from batchinfer.io import manifest as mf
 from batchinfer.job import make_engine, run_job as run
 
@@ -149,7 +149,7 @@ def test_invalid_utf8_is_rejected_and_a_bom_is_skipped(tiny_model, tmp_path, eng
     s = run(job(tiny_model, tmp_path / "out", str(tmp_path / "*.jsonl*")), engine_factory=engines, report=False)
     ids = output_ids(tmp_path / "out")
     assert sorted(ids) == ["g0", "g1", "g2"] and not any("\ufffd" in i for i in ids)
-    rejects = [json.loads(x) for x in (tmp_path / "out" / mf.REJECTS).read_text().splitlines()]
+    rejects = [json.loads(x) for x in layout.rejects_path(tmp_path / "out").read_text().splitlines()]
     assert len(rejects) == 1 and s.rejects == 1
     r = rejects[0]
     assert r["file"].endswith("a.jsonl") and r["line"] == 2 and "not valid UTF-8" in r["reason"] and "\\xff" in r["text"]
@@ -201,7 +201,7 @@ class Killed(BaseException):
 
 def committed(out: Path) -> int:
     try:
-        return len(json.loads((out / mf.MANIFEST).read_text())["parts"])
+        return len(json.loads(layout.manifest_path(out).read_text())["parts"])
     except (OSError, ValueError, KeyError):
         return 0
 

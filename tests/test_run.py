@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchinfer
-from batchinfer.io.manifest import MANIFEST, REJECTS
+from batchinfer.io import layout
 from batchinfer.io.readers import InputError
 from batchinfer.job.spec import JobError
 from batchinfer.job import make_engine, run_job as run
@@ -69,7 +69,7 @@ def test_parquet_shards_glob_exactly_once(tiny_model, tmp_path, engines):
     assert set(df["finish_reason"].to_list()) <= {"stop", "length"} and df["error"].null_count() == 15
     assert (df["completion_tokens"] <= 4).all() and (df["prompt_tokens"] > 0).all()
     assert summary.this_run_rows == 15 and summary.error_rate == 0.0 and summary.rows_done == 15
-    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["rows"] == 15
+    assert json.loads(layout.manifest_path(tmp_path / "out").read_text())["rows"] == 15
     again = run(job(tiny_model, tmp_path, str(tmp_path / "in")), engine_factory=engines)
     assert again.nothing_to_do and "nothing to do" in again.describe()
     # new shards arrive: only they are done
@@ -94,7 +94,7 @@ def test_jsonl_bad_rows_and_rejects(tiny_model, tmp_path, engines):
     assert "template column 'text' is null" in errs[101]
     assert "not a string or number" in errs[102]
     assert df.filter(pl.col("doc_id") >= 100)["finish_reason"].to_list() == ["error"] * 3
-    rejects = [json.loads(x) for x in (tmp_path / "out" / REJECTS).read_text().splitlines()]
+    rejects = [json.loads(x) for x in layout.rejects_path(tmp_path / "out").read_text().splitlines()]
     assert [(r["line"], r["text"][:8]) for r in rejects] == [(4, "this is "), (5, "[1, 2]"), (6, '{"text":')]
     assert all(r["file"].endswith("a.jsonl") and r["reason"] for r in rejects)
     assert s.rejects == 3 and s.error_rows == 3 and s.error_rate == pytest.approx(6 / 12)

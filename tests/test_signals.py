@@ -17,14 +17,14 @@ import polars as pl
 import pytest
 import yaml
 
-from batchinfer.io.manifest import MANIFEST
+from batchinfer.io import layout
 
 EXIT_STOPPED = 75
 
 
 def committed(out: Path) -> int:
     try:
-        return len(json.loads((out / MANIFEST).read_text())["parts"])
+        return len(json.loads(layout.manifest_path(out).read_text())["parts"])
     except (OSError, ValueError, KeyError):
         return 0
 
@@ -79,11 +79,11 @@ def test_sigterm_after_a_commit_stops_gracefully_and_resumes(tiny_model, tmp_pat
     assert p.returncode == EXIT_STOPPED, text
     assert "Traceback" not in text
     assert "stopped (SIGTERM received)" in text and "run the same command again to resume" in text
-    manifest = json.loads((out / MANIFEST).read_text())
+    manifest = json.loads(layout.manifest_path(out).read_text())
     assert manifest["parts"] and manifest["rows"] < n
-    report = json.loads((out / "_report.json").read_text())
+    report = json.loads(layout.report_json_path(out).read_text())
     assert report["run"]["summary"]["stopped"] == "SIGTERM received"  # the partial report
-    assert not list(out.glob("_tmp.*"))
+    assert [p.name for p in out.iterdir() if not p.name.startswith("part-")] == [] and not layout.tmp_dir(out).files()
     finish_and_check(job, n)
 
 
@@ -132,5 +132,5 @@ def test_sigterm_with_data_parallel_workers(tiny_model, tmp_path):
     text = p.communicate(timeout=180)[0]
     assert p.returncode == EXIT_STOPPED, text
     assert "Traceback" not in text
-    assert json.loads((out / MANIFEST).read_text())["rows"] < n
+    assert json.loads(layout.manifest_path(out).read_text())["rows"] < n
     finish_and_check(job, n)

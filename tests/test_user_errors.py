@@ -31,7 +31,7 @@ def make_job(tmp: Path, model: Path, **over) -> Path:
 
 def one_line_error(result) -> str:
     assert result.exit_code == 2, result.output
-    lines = [x for x in result.output.splitlines() if x.strip()]
+    lines = [x for x in result.stderr.splitlines() if x.strip()]  # (stdout: run's JSON summary line)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.output
     return lines[0]
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-bench_app = typer.Typer(help="Benchmarks: grammar backends (MaskBench), throughput, the whole job.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: grammar backends (MaskBench), throughput, the whole job.", no_args_is_help=True, rich_markup_mode=None)
 
 
 @bench_app.callback()

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchinfer.io.id_key import IdType, array_keys, common_type, python_id_type
-from batchinfer.io.readers import InputError, InputFile, Row, input_columns, jsonl_lines, parse_jsonl_line
+from batchinfer.io.readers import InputError, InputFile, Row, input_columns, jsonl_lines, parquet_schema, parse_jsonl_line
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,12 @@ class IdCheck:
 
 
 def _parquet_ids(f: InputFile, id_column: str, types: list[IdType]) -> pl.DataFrame:
-    cols = input_columns(f) or []
-    if id_column not in cols:
+    if id_column not in parquet_schema(f).names:
+        cols = input_columns(f) or []
         raise InputError(f"{f.path}: no id column '{id_column}' (columns: {', '.join(cols)})")
     try:
-        col = pq.read_table(f.path, columns=[id_column]).column(id_column)
+        with f.open_file() as fh:
+            col = pq.read_table(fh, columns=[id_column]).column(id_column)
     except Exception as e:  # pyarrow raises several types for a corrupt file
         raise InputError(f"cannot read {f.path}: {e}") from None
     big = None
@@ -68,7 +69,7 @@ def _jsonl_ids(f: InputFile, id_column: str, types: list[IdType]) -> pl.DataFram
     values: list[object] = []
     objects = 0
     try:
-        for n, raw in jsonl_lines(f.path):
+        for n, raw in jsonl_lines(f):
             item = parse_jsonl_line(raw, n, f.path, id_column)
             if item is None:
                 continue

@@ -23,9 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from batchinfer.engine.request import MAX_LOGPROBS, SamplingParams
@@ -185,17 +183,13 @@ def _logprobs(body: dict[str, Any], job: int | None) -> int | None:
 # ---- out: results.jsonl / errors.jsonl ------------------------------------------------------------
 
 
-def up_to_date(out: Path, rows: int) -> bool:
+def up_to_date(out: Any, rows: int) -> bool:
     """Whether both files exist and hold `rows` lines together (the committed rows). Parts only ever
-    gain rows, so a pair written for fewer rows (a kill between the two renames) shows in the count."""
-    total = 0
-    try:
-        for path in openai_paths(out):
-            with open(path, "rb") as fh:
-                total += sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
-    except FileNotFoundError:
+    gain rows, so a pair written for fewer rows (a kill between the two writes) shows in the count."""
+    paths = openai_paths(out)
+    if not all(p.exists() for p in paths):
         return False
-    return total == rows
+    return sum(p.count_lines() for p in paths) == rows
 
 
 def _ids(fingerprint: str, custom_id: str) -> tuple[str, str, str]:
@@ -253,38 +247,34 @@ def output_lines(
     return False, json.dumps(line, ensure_ascii=False)
 
 
-def _rows(path: Path, columns: list[str]) -> Iterator[dict[str, Any]]:
+def _rows(path: Any, columns: list[str]) -> Iterator[dict[str, Any]]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(str(path))
-    names = [c for c in columns if c in pf.schema_arrow.names]
-    for batch in pf.iter_batches(batch_size=1024, columns=names):
-        yield from batch.to_pylist()
+    with path.open_input_file() as fh:
+        pf = pq.ParquetFile(fh)
+        names = [c for c in columns if c in pf.schema_arrow.names]
+        for batch in pf.iter_batches(batch_size=1024, columns=names):
+            yield from batch.to_pylist()
 
 
 def write_output_files(
-    out: Path, parts: list[Path], id_column: str, fingerprint: str, model: str, piece: Callable[[int], str | None]
+    out: Any, parts: list[Any], id_column: str, fingerprint: str, model: str, piece: Callable[[int], str | None]
 ) -> tuple[int, int]:
-    """Write results.jsonl and errors.jsonl (io/layout.py) of the output folder `out` from its committed
-    `parts` (in order): temp names, fsynced, renamed (results first, then errors); returns the counts."""
-    from batchinfer.io.manifest import TMP_PREFIX, fsync_dir
+    """Write results.jsonl and errors.jsonl (io/layout.py: beside the output, with the run records) of
+    the output folder `out` from its committed `parts` (Locations, in order): each file appears whole
+    (store.py); a kill between the two leaves a pair whose line count shows it (up_to_date); returns the counts."""
+    from batchinfer.io import layout
 
     columns = [id_column, "output_text", "finish_reason", "prompt_tokens", "completion_tokens", "error",
                "token_ids", "token_logprobs", "top_logprobs", "answers"]
     final = openai_paths(out)
-    tmp = [p.parent / f"{TMP_PREFIX}{p.name}" for p in final]
+    tmp = layout.tmp_dir(out)
     counts = [0, 0]
-    with open(tmp[0], "w", encoding="utf-8") as ok_file, open(tmp[1], "w", encoding="utf-8") as err_file:
+    with final[0].open_atomic_text(tmp) as ok_file, final[1].open_atomic_text(tmp) as err_file:
         for part in parts:
-            created = int(os.stat(part).st_mtime)
+            created = int(part.mtime())
             for row in _rows(part, columns):
                 ok, line = output_lines(row, id_column, fingerprint, model, created, piece)
                 (ok_file if ok else err_file).write(line + "\n")
                 counts[0 if ok else 1] += 1
-        for fh in (ok_file, err_file):
-            fh.flush()
-            os.fsync(fh.fileno())
-    for t, f in zip(tmp, final):
-        os.replace(t, f)
-    fsync_dir(final[0].parent)
     return counts[0], counts[1]

@@ -5,8 +5,8 @@
   later widened to int64 or string) resume alike. The manifest's per-part counts are refreshed from
   the parts themselves (a rewrite killed half way leaves them right again).
 * `rewrite_parts` writes committed parts again — their id column in a wider type, or without the
-  rows whose input changed (`input.check_content`) — each through a temp file, fsync and rename, so
-  a kill leaves every part either old or new, never torn; the manifest is saved after each part.
+  rows whose input changed (`input.check_content`) — each replaced whole (store.py), so a kill
+  leaves every part either old or new, never torn; the manifest is saved after each part.
 * `row_hash` is the content hash stored per row when `input.check_content` is on.
 """
 
@@ -16,7 +16,6 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -27,7 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchinfer.io.id_key import IdType, array_keys, convert_array, normalize_type
-from batchinfer.io.manifest import TMP_PREFIX, Manifest, PartInfo, fsync_dir
+from batchinfer.io import layout
+from batchinfer.io.manifest import Manifest, PartInfo
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,10 @@ def read_finished(manifest: Manifest, id_column: str) -> Finished:
     changed = False
     for i, p in enumerate(manifest.parts):
         path = manifest.folder / p.name
-        names = pq.read_schema(str(path)).names
-        cols = [c for c in (id_column, "error", HASH_COLUMN) if c in names]
-        t = pq.read_table(str(path), columns=cols)
+        with path.open_input_file() as fh:
+            names = pq.read_schema(fh).names
+            cols = [c for c in (id_column, "error", HASH_COLUMN) if c in names]
+            t = pq.read_table(fh, columns=cols)
         ids = t.column(id_column) if id_column in names else pa.nulls(t.num_rows, pa.string())
         big = None
         if pa.types.is_integer(ids.type) and t.num_rows:
@@ -94,7 +95,8 @@ def rewrite_parts(manifest: Manifest, id_column: str, names: list[str], typ: pa.
     drop_arr = pa.array(drop.to_list(), pa.string()) if drop is not None and len(drop) else None
     for name in names:
         path = manifest.folder / name
-        table = pq.read_table(str(path))
+        with path.open_input_file() as fh:
+            table = pq.read_table(fh)
         meta = table.schema.metadata
         if typ is not None and id_column in table.column_names:
             i = table.column_names.index(id_column)
@@ -106,17 +108,11 @@ def rewrite_parts(manifest: Manifest, id_column: str, names: list[str], typ: pa.
             dropped += before - table.num_rows
         table = table.replace_schema_metadata(meta)
         if table.num_rows == 0:
-            path.unlink()
-            fsync_dir(manifest.folder)
+            path.delete()
             manifest.parts = [p for p in manifest.parts if p.name != name]
-        else:
-            tmp = manifest.folder / f"{TMP_PREFIX}{name}.tmp"
-            with open(tmp, "wb") as fh:
+        else:  # the new part replaces the old one whole (store.py: rename locally, one upload remotely)
+            with path.open_atomic(tmp_dir=layout.tmp_dir(manifest.folder)) as fh:
                 pq.write_table(table, fh, compression="zstd")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            fsync_dir(manifest.folder)
             errors = int(pc.sum(pc.is_valid(table.column("error"))).as_py() or 0) if "error" in table.column_names else 0
             manifest.parts = [PartInfo(name, table.num_rows, errors) if p.name == name else p for p in manifest.parts]
         manifest.save()

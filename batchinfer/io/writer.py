@@ -1,6 +1,8 @@
-"""Atomic Parquet part files: rows are buffered, then written as `_tmp.part-N.parquet.tmp` (pyarrow,
-Spark and DuckDB skip `_` names; `*.parquet` globs, which polars needs, skip the `.tmp` suffix),
-fsynced, renamed to `part-N.parquet`, and recorded in the manifest.
+"""Atomic Parquet part files: rows are buffered, then committed whole as `part-N.parquet` in the
+output folder (local disk: a temp file in the records folder's tmp/, fsynced, renamed in; object
+store: one upload under the final name, visible only complete; see store.py), then recorded in the
+manifest. The output folder never holds anything but complete parts, so any reader of the folder
+(polars and DuckDB included, which read every file in it) gets exactly the output.
 
 A part rolls over every `rows_per_part` rows or `seconds_per_part` seconds, so a kill loses at most
 one part's worth of work and memory stays bounded.
@@ -11,14 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchinfer.io import layout
 from batchinfer.io.id_key import to_output
-from batchinfer.io.manifest import FINGERPRINT_KEY, TMP_PREFIX, Manifest, PartInfo, fsync_dir, next_part_number
+from batchinfer.io.manifest import FINGERPRINT_KEY, Manifest, PartInfo, next_part_number
+from batchinfer.io.store import Location
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +150,9 @@ class PartWriter:
         meta = dict(table.schema.metadata or {})
         meta[FINGERPRINT_KEY] = self.manifest.fingerprint.encode()
         table = table.replace_schema_metadata(meta)
-        name = f"part-{self._next:06d}.parquet"
-        tmp = self.folder / f"{TMP_PREFIX}{name}.tmp"  # `*.parquet` globs skip it too
-        with open(tmp, "wb") as fh:
+        name = layout.part_name(self._next)
+        with (self.folder / name).open_atomic(tmp_dir=layout.tmp_dir(self.folder)) as fh:
             pq.write_table(table, fh, compression="zstd")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.folder / name)
-        fsync_dir(self.folder)
         errors = sum(1 for r in table.column("error").to_pylist() if r is not None)
         part = PartInfo(name, table.num_rows, errors)
         self.manifest.add_part(part)
@@ -177,6 +175,7 @@ class PartWriter:
         self.flush()
 
 
-def existing_schema(folder: Path, part_name: str) -> pa.Schema:
+def existing_schema(folder: "str | os.PathLike[str] | Location", part_name: str) -> pa.Schema:
     """The schema of a committed part (resume keeps the same column types)."""
-    return pq.read_schema(str(folder / part_name))
+    with (layout.output_dir(folder) / part_name).open_input_file() as fh:
+        return pq.read_schema(fh)

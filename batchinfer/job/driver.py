@@ -22,7 +22,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
-from batchinfer.io import manifest as mf
+from batchinfer.io import layout
 from batchinfer.job.executors import executor_for
 from batchinfer.job.executors.base import Executor, RunHooks
 from batchinfer.job.phases import PhaseTimer
@@ -198,7 +198,7 @@ def observe_options(
         raise JobError(f"--trace {trace_dir}: is a file, not a folder")
     try:
         return ObserveOptions(
-            out_dir=Path(spec.output.path),
+            out_dir=spec.output.path,
             metrics_port=metrics_port,
             metrics_textfile=Path(metrics_textfile) if metrics_textfile is not None else None,
             log_token_ids=log_token_ids,
@@ -255,8 +255,8 @@ def _finish_observer(obs: Observer, plan: JobPlan, s: RunSummary, phases: PhaseT
         log.error("the run's output is complete, but writing its report/metrics failed: %s: %s", type(e).__name__, e)
     if phases is not None:
         phases.add("report", t, time.perf_counter())
-    if obs.report is None:
-        s = dataclasses.replace(s, report_path=None)
+    report = str(layout.report_html_path(plan.output_dir)) if obs.report is not None else None
+    s = dataclasses.replace(s, report_path=report)
     return s
 
 
@@ -283,8 +283,7 @@ def _first_step_marker(phases: PhaseTimer | None) -> Callable[[Any], None] | Non
 
 
 def _nothing_to_do(plan: JobPlan) -> RunSummary:
-    rejects_path = plan.output_dir / mf.REJECTS
-    rejects = sum(1 for _ in rejects_path.open()) if rejects_path.exists() else 0
+    rejects = layout.rejects_path(plan.output_dir).count_lines()
     s = summarize(plan, rejects, Progress(), 0.0, nothing_to_do=True)
     write_output_formats(plan, changed=False)
     log.debug("%s", s.describe())
@@ -363,7 +362,7 @@ def write_output_formats(plan: JobPlan, changed: bool = True) -> None:
         return
     piece = TokenTexts(load_tokenizer(plan.model_dir) if plan.spec.sampling.logprobs is not None else None)
     ok, bad = openai_batch.write_output_files(
-        plan.output_dir, [Path(p) for p in m.part_paths], plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
+        plan.output_dir, m.part_locations, plan.spec.input.id_column, m.fingerprint, model_name(plan.spec), piece
     )
     log.info("wrote %s (%d lines) and %s (%d lines)", openai_batch.RESULTS, ok, openai_batch.ERRORS, bad)
 

@@ -18,12 +18,14 @@ from typing import Any, Iterator
 import polars as pl
 import pyarrow as pa
 
+from batchinfer.io import layout
 from batchinfer.io import manifest as mf
 from batchinfer.io.id_key import common_type, normalize_type
 from batchinfer.io.ids import IdCheck, check_ids, describe_types
 from batchinfer.io.model_files import model_components
-from batchinfer.io.readers import InputError, InputFile, Reject, Row, input_columns, iter_rows, list_input_files
+from batchinfer.io.readers import InputError, InputFile, Reject, Row, input_columns, iter_rows, list_input_files, parquet_schema, partition_types
 from batchinfer.io.resume import HASH_COLUMN, Finished, parts_to_widen, read_finished, rewrite_parts, row_hash
+from batchinfer.io.store import Location, StoreError
 from batchinfer.io.writer import existing_schema
 from batchinfer.job.phases import PhaseTimer
 from batchinfer.job.preflight import Preflight
@@ -60,8 +62,8 @@ class JobPlan:
             self.lock = None
 
     @property
-    def output_dir(self) -> Path:
-        return Path(self.spec.output.path)
+    def output_dir(self) -> Location:
+        return self.manifest.folder
 
     @property
     def ids(self) -> IdCheck:
@@ -155,6 +157,7 @@ def key_types(spec: JobSpec, files: list[InputFile], ids: IdCheck | None = None)
     else inferred from the first part."""
     names = [spec.input.id_column] + [c for c in spec.output.keep_columns if c != spec.input.id_column]
     types: dict[str, pa.DataType | None] = {n: None for n in names}
+    hive = partition_types(files)
     for f in files:
         cols = input_columns(f)
         if cols is None:
@@ -164,12 +167,13 @@ def key_types(spec: JobSpec, files: list[InputFile], ids: IdCheck | None = None)
         missing = [c for c in spec.output.keep_columns if c not in cols]
         if missing:
             raise InputError(f"output.keep_columns: {', '.join(missing)} not a column of {f.path} (columns: {', '.join(cols)})")
-        import pyarrow.parquet as pq
-
-        schema = pq.ParquetFile(f.path).schema_arrow
+        schema = parquet_schema(f)
         for n in names:
             if types[n] is None:
-                types[n] = schema.field(n).type
+                types[n] = schema.field(n).type if n in schema.names else hive[n]
+    for n in names:  # JSONL inputs: a partition column's type is known, other columns are inferred
+        if types[n] is None and n in hive:
+            types[n] = hive[n]
     common = ids.id_type if ids is not None else None
     if common is not None:
         types[spec.input.id_column] = common.type
@@ -178,14 +182,22 @@ def key_types(spec: JobSpec, files: list[InputFile], ids: IdCheck | None = None)
     return types
 
 
-def check_writable(out: Path) -> None:
-    """Create the output folder and prove a file can be written in it (a read-only folder or file
-    system is the user's error: JobError, exit 2, before anything loads)."""
-    probe = out / f".probe-{os.getpid()}.tmp"  # a temp name: removed by the next start if left behind
+def check_writable(out: Location) -> None:
+    """Create the output folder and its records folder and prove a file can be written there (a
+    read-only folder, file system or bucket is the user's error: JobError, exit 2, before anything loads).
+    The probe is written in the records folder's tmp/ and, on the local disk, renamed into the output
+    folder and removed at once, the path every part takes."""
+    probe = layout.tmp_dir(out) / f".probe-{os.getpid()}.tmp"  # in tmp/: removed by the next start if left behind
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        out.makedirs()
+        layout.records_dir(out).makedirs()
+        probe.write_atomic(b"")
+        if probe.atomic_rename:
+            moved = out / probe.name
+            probe.move_to(moved)
+            moved.delete()
+        else:
+            probe.delete()
     except OSError as e:
         raise JobError(f"output.path: cannot write to {out}: {e.strerror or e}") from None
 
@@ -201,8 +213,9 @@ def plan_inputs(
     parts widened) and the input.check_content redo all need the ids, so there the scan is done at
     once; on a fresh output it runs while the model loads (check() then fixes the id type)."""
     model_dir = resolve_model(spec)
-    out = Path(spec.output.path)
-    files = [f for f in list_input_files(spec.input.path, spec.input.format) if not Path(f.path).is_relative_to(out.resolve())]
+    out = output_location(spec)
+    records = layout.records_dir(out)
+    files = [f for f in list_input_files(spec.input.path, spec.input.format) if not (f.location.is_within(out) or f.location.is_within(records))]
     if not files:
         raise InputError(f"input.path: no input files outside output.path ({out})")
     types = key_types(spec, files)  # id and kept columns of every Parquet file (footers only)
@@ -213,7 +226,7 @@ def plan_inputs(
     components = fingerprint_components(spec, model_dir)
     fp = mf.fingerprint_of(components)
     hashes = mf.component_hashes(components)
-    if out.exists() and not out.is_dir():
+    if out.is_file():
         raise JobError(f"output.path: {out} is a file, not a folder")
     check_writable(out)
     lock = mf.lock_output(out)
@@ -242,7 +255,9 @@ def plan_inputs(
 
 def _open_manifest(spec: JobSpec, fp: str, hashes: dict[str, str], overwrite: bool) -> tuple[mf.Manifest, int]:
     """Under the folder lock: clear (--overwrite), clean temps, check the fingerprint, recover parts."""
-    out = Path(spec.output.path)
+    out = output_location(spec)
+    if layout.migrate_legacy(out):
+        log.info("moved the run records of %s to %s (this version keeps the output folder to the output)", out, layout.records_dir(out))
     if overwrite:
         mf.clear_output(out)
     removed = mf.remove_temp_files(out)
@@ -344,6 +359,14 @@ def _check_content(spec: JobSpec, files: list[InputFile], manifest: mf.Manifest,
     log.warning("%d committed row(s) have changed input since they were answered (input.check_content); "
                 "they are done again (first: id %r)", n, changed["id"][0])
     return n
+
+
+def output_location(spec: JobSpec) -> Location:
+    """The job's output folder (local or a URI); a path no store serves is the user's error."""
+    try:
+        return layout.output_dir(spec.output.path)
+    except StoreError as e:
+        raise JobError(f"output.path: {e}") from None
 
 
 # ---- stage 2: pending rows ----------------------------------------------------------------------------

@@ -33,8 +33,11 @@ _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 
 def _resolve(value: str, info: ValidationInfo) -> str:
+    """A relative local path against the job file's folder; absolute paths and URIs (s3://...) as they are."""
+    from batchinfer.io.store import is_uri
+
     base = (info.context or {}).get("base_dir")
-    if base is None or Path(value).is_absolute():
+    if base is None or Path(value).is_absolute() or is_uri(value):
         return value
     return str((Path(base) / value).resolve()) if value else value
 
@@ -64,7 +67,7 @@ class InputSpec(BaseModel):
     """Where the rows come from."""
 
     model_config = _STRICT
-    path: str = Field(description="a file, folder or glob of .parquet / .jsonl / .jsonl.gz files")
+    path: str = Field(description="a file, folder or glob of .parquet / .jsonl / .jsonl.gz files; local or a URI (s3://, gs://, hf://, ...)")
     id_column: str | None = Field(None, description="unique key of a row (required; custom_id for format openai)")
     format: Literal["auto", "parquet", "jsonl", "openai"] = Field(
         "auto", description="auto: from each file's extension; openai: OpenAI Batch JSONL (custom_id, method, url, body)"
@@ -104,7 +107,7 @@ class OutputSpec(BaseModel):
     """Where the answers go: a folder of Parquet part files plus a manifest."""
 
     model_config = _STRICT
-    path: str = Field(description="output folder")
+    path: str = Field(description="output folder (local or a URI: s3://bucket/prefix/out); its run records go in _<name>.batchinfer beside it")
     keep_columns: tuple[str, ...] = Field((), description="input columns copied through (the id column always is)")
     rows_per_part: int = Field(5000, ge=1, description="a part file is committed after this many rows")
     seconds_per_part: float = Field(60.0, gt=0, description="... or after this many seconds")

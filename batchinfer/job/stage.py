@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from batchinfer.engine.request import Request
-from batchinfer.io import manifest as mf
+from batchinfer.io import layout
 from batchinfer.io.readers import Reject, Row
 from batchinfer.io.writer import PartWriter, existing_schema, output_schema
 from batchinfer.job.plan import JobPlan
@@ -103,22 +103,17 @@ def output_columns(plan: JobPlan) -> dict[str, Any]:
 
 
 def reject_line(r: Reject) -> str:
-    """One line of `_rejects.jsonl`: the input line that has no usable id, where it is, and why."""
+    """One line of `rejects.jsonl`: the input line that has no usable id, where it is, and why."""
     return json.dumps({"file": r.file, "line": r.line, "text": r.text, "reason": r.reason}, ensure_ascii=False)
 
 
 @contextmanager
-def rejects_file(out: Path) -> Iterator[Any]:
-    """`_rejects.jsonl` of a run, written under a temp name and put in place when the block ends without
-    error (a failed or stopped run leaves the last complete one; the next run writes them all again)."""
-    tmp = Path(out) / f"{mf.TMP_PREFIX}{mf.REJECTS}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            yield f
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(Path(out) / mf.REJECTS)
+def rejects_file(out: Any) -> Iterator[Any]:
+    """The run's `rejects.jsonl` (layout.rejects_path), written aside and put in place, whole, when the
+    block ends without error (a failed or stopped run leaves the last complete one; the next run writes
+    them all again), on any store."""
+    with layout.rejects_path(out).open_atomic_text(tmp_dir=layout.tmp_dir(out)) as f:
+        yield f
 
 
 # ---- execute -----------------------------------------------------------------------------------------

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchinfer.engine.request import Result
-from batchinfer.io import manifest as mf
+from batchinfer.io import layout
 
 if TYPE_CHECKING:
     from batchinfer.job.plan import JobPlan
@@ -93,7 +92,7 @@ class RunSummary:
         if self.redone_rows:
             tail += f"\n{self.redone_rows} rows were done again because their input changed (input.check_content)"
         if self.rejects:
-            tail += f"; {self.rejects} input lines rejected (see {Path(self.output_path) / mf.REJECTS})"
+            tail += f"; {self.rejects} input lines rejected (see {layout.rejects_path(self.output_path)})"
         if self.report_path:
             tail += f"\nreport: {self.report_path}"
         return head + tail

@@ -22,7 +22,6 @@ from typing import Any
 import polars as pl
 
 from batchinfer.io.manifest import Manifest
-from batchinfer.io.scan import scan_parquet_union
 
 ANSWER_CHARS = 500  # a sample answer is cut here
 MAX_FIELDS = 40
@@ -47,8 +46,9 @@ def output_frame(manifest: Manifest | None) -> pl.LazyFrame | None:
     if manifest is None or not manifest.parts or not manifest.id_column:
         return None
     from batchinfer.io.id_key import array_keys
+    from batchinfer.io.manifest import scan_parts
 
-    lf = scan_parquet_union(list(manifest.part_paths))
+    lf = scan_parts(manifest.part_locations)
     canonical = pl.col(manifest.id_column).map_batches(lambda s: pl.from_arrow(array_keys(s.to_arrow())), return_dtype=pl.Utf8)
     lf = lf.with_columns(canonical.alias("_id"))
     names = lf.collect_schema().names()
@@ -340,21 +340,20 @@ def sample_answers(lf: pl.LazyFrame | None, records: pl.DataFrame, n_ok: int = 5
     return {"ok": ok, "errors": errors}
 
 
-def reject_samples(path: Path, n: int = 3) -> dict[str, Any] | None:
-    """How many input lines were rejected (no usable id) and the first few, from the rejects file."""
+def reject_samples(path: Any, n: int = 3) -> dict[str, Any] | None:
+    """How many input lines were rejected (no usable id) and the first few, from the rejects file (a Location)."""
     if not path.exists():
         return None
     examples, count = [], 0
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            count += 1
-            if len(examples) < n:
-                try:
-                    r = json.loads(line)
-                    examples.append({"file": Path(str(r.get("file", ""))).name, "line": r.get("line"),
-                                     "reason": r.get("reason"), "text": cut(r.get("text", ""), 200)})
-                except ValueError:
-                    examples.append({"text": cut(line.strip(), 200)})
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        count += 1
+        if len(examples) < n:
+            try:
+                r = json.loads(line)
+                examples.append({"file": Path(str(r.get("file", ""))).name, "line": r.get("line"),
+                                 "reason": r.get("reason"), "text": cut(r.get("text", ""), 200)})
+            except ValueError:
+                examples.append({"text": cut(line.strip(), 200)})
     return {"count": count, "examples": examples}

@@ -28,6 +28,7 @@ import polars as pl
 
 from batchinfer.io import layout
 from batchinfer.io.manifest import Manifest
+from batchinfer.io.store import Location
 from batchinfer.observe import answers
 from batchinfer.observe import labels as L
 
@@ -151,11 +152,13 @@ class Comparison:
 # ------------------------------------------------------------------------------------------ loading
 
 
-def _side(out: Path) -> tuple[RunSide, dict[str, Any] | None]:
+def _side(out: "Location") -> tuple[RunSide, dict[str, Any] | None]:
     """(the run's side, its report dict or None when it has no run records)."""
     from batchinfer.observe.report import build_report, previous_facts
 
-    has_ids = bool(list(layout.token_ids_dir(out).glob("part-*.parquet"))) if layout.token_ids_dir(out).is_dir() else False
+    from batchinfer.observe.records import part_locations
+
+    has_ids = bool(part_locations(layout.token_ids_dir(out)))
     try:
         report, _, _ = build_report(out, previous_facts(out))
     except Exception as e:  # no records: the answers still compare
@@ -177,13 +180,13 @@ def _side(out: Path) -> tuple[RunSide, dict[str, Any] | None]:
     return side, report
 
 
-def _output(out: Path) -> tuple[pl.LazyFrame, Manifest]:
+def _output(out: "Location") -> tuple[pl.LazyFrame, Manifest]:
     if not out.is_dir():
         raise FileNotFoundError(f"{out}: no such output folder")
     manifest = Manifest.load(out)
     lf = answers.output_frame(manifest)
     if manifest is None or lf is None:
-        raise FileNotFoundError(f"{out}: no committed output ({layout.manifest_path(out).name} with parts); was it written by batchinfer run?")
+        raise FileNotFoundError(f"{out}: no committed output ({layout.manifest_path(out)} with parts); was it written by batchinfer run?")
     return lf, manifest
 
 
@@ -272,7 +275,7 @@ def _field_diffs(lf_a: pl.LazyFrame, lf_b: pl.LazyFrame, report_a: dict[str, Any
     return tuple(agreements), per_row
 
 
-def _token_ids(out: Path, ids: list[str]) -> dict[str, tuple[list[int], list[int]]]:
+def _token_ids(out: "Location", ids: list[str]) -> dict[str, tuple[list[int], list[int]]]:
     """id -> (prompt token ids, output token ids) from a run's sidecar, for the given ids."""
     from batchinfer.observe.tokenlog import scan_token_ids
 
@@ -285,7 +288,7 @@ def compare_runs(out_a: str | Path, out_b: str | Path, max_changed: int = MAX_CH
 
     Raises FileNotFoundError (one line) when a folder has no committed output.
     """
-    out_a, out_b = Path(out_a), Path(out_b)
+    out_a, out_b = layout.output_dir(out_a), layout.output_dir(out_b)
     lf_a, _ = _output(out_a)
     lf_b, _ = _output(out_b)
     side_a, report_a = _side(out_a)

@@ -1,7 +1,8 @@
 """The Observer: what the job driver creates from the run's options and feeds with steps and results.
 
 It fans each event out to the parts that are on:
-  always   step and row records beside the output (records.py), the report at close (report.py);
+  always   step and row records beside the output (records.py; where: io/layout.py), the report at
+           close (report.py);
   options  live Prometheus metrics on a port and/or a textfile (metrics.py), the token-id sidecar
            (tokenlog.py), a profiler trace of a few steps (trace.py).
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,17 +53,18 @@ EXCERPT_ROWS_PER_ERROR_KIND = 5
 
 @dataclass(frozen=True)
 class ObserveOptions:
-    """What to observe. out_dir: the job's output folder (records and the report go there).
+    """What to observe. out_dir: the job's output folder, a path or URI (records and the report go to its
+    records folder beside it: io/layout.py).
 
     metrics_port: serve live metrics on metrics_host:port (0: any free port; None: off).
     metrics_textfile: write a node-exporter textfile there at close (None: off).
-    log_token_ids: write `_token_ids/` (prompt and output ids of every row).
+    log_token_ids: write `token_ids/` (prompt and output ids of every row).
     trace_dir: write a profiler trace of trace_num_steps steps after step trace_start_step (None: off).
-    report: write `_report.json` and `_report.html` at close.
+    report: write `report.json` and `report.html` at close.
     flush_rows / flush_s: how often records are written out as parts.
     """
 
-    out_dir: Path
+    out_dir: Any  # str | Path | Location
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     metrics_textfile: Path | None = None
@@ -87,9 +88,9 @@ class Observer:
 
     def __init__(self, options: ObserveOptions) -> None:
         self.options = options
-        self.out_dir = Path(options.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        layout.records_dir(self.out_dir).mkdir(parents=True, exist_ok=True)
+        self.out_dir = layout.output_dir(options.out_dir)
+        self.out_dir.makedirs()
+        layout.records_dir(self.out_dir).makedirs()
         tf = options.metrics_textfile
         if tf is not None and not Path(tf).parent.is_dir():  # say so now, not at the end of a long run
             raise FileNotFoundError(f"--metrics-textfile {tf}: folder {Path(tf).parent} does not exist")
@@ -222,15 +223,14 @@ class Observer:
             self.abort()
 
 
-def _has_committed_parts(out_dir: Path) -> bool:
-    manifest = Manifest.load(out_dir) if layout.manifest_path(out_dir).exists() else None
+def _has_committed_parts(out_dir: Any) -> bool:
+    manifest = Manifest.load(out_dir)
     return bool(manifest and manifest.parts) or bool(part_files(out_dir))
 
 
-def clear_records(out_dir: str | Path) -> None:
-    """Remove what observers left in out_dir (records, token ids, report); nothing else is touched."""
+def clear_records(out_dir: Any) -> None:
+    """Remove what observers left for out_dir (records, token ids, report); nothing else is touched."""
     for folder in layout.observer_folders(out_dir):
-        if folder.is_dir():
-            shutil.rmtree(folder)
+        folder.delete_tree()
     for path in layout.observer_files(out_dir):
-        path.unlink(missing_ok=True)
+        path.delete()

@@ -90,7 +90,8 @@ def samples(report: dict[str, Any]) -> str:
         parts.append(grid(["Row", "Input (excerpt)", "Error"], rows, text=(1, 2)))
     rej = s.get("rejects")
     if rej and rej["count"]:
-        href = os.path.relpath(layout.rejects_path(report["out_dir"]), layout.report_html_path(report["out_dir"]).parent)
+        rejects, page = layout.rejects_path(report["out_dir"]), layout.report_html_path(report["out_dir"])
+        href = os.path.relpath(rejects.path, page.parent.path) if rejects.local_path() is not None else rejects.uri
         parts.append(
             f"<h3>Rejected input lines ({L.count(rej['count'])})</h3><p>Lines with no usable id never became rows; "
             f'all of them are in <a id="rejects-link" href="{esc(href)}">{esc(href)}</a>.</p>'

@@ -1,4 +1,4 @@
-"""The end-of-run report: `_report.json` (numbers) and `_report.html` (the page a person reads, page.py).
+"""The end-of-run report: `report.json` (numbers) and `report.html` (the page a person reads, page.py).
 
 What the report holds: a headline (job, model, device, start/end/wall time, rows ok/errors/rejected,
 documents per hour, output tok/s, roofline fraction: runinfo.py), sample answers and what a
@@ -6,7 +6,7 @@ structured job's answers say per field (answers.py), then totals, throughput, la
 steps, KV use, errors by kind, the output check, and the run's config, versions and fingerprint.
 
 Both files are rebuilt from what the run left (the step and row records, the manifest, the output
-parts; paths from batchinfer/io/layout.py), so `batchinfer report OUT_DIR` can print the summary and redraw the page at any time, also
+parts; paths from batchinfer/io/layout.py: the records folder beside the output), so `batchinfer report OUT_DIR` can print the summary and redraw the page at any time, also
 after a run that died or was resumed. Row records are de-duplicated (last record of an id wins) and,
 where the folder has a manifest, kept only for ids the committed output holds: the report's row
 totals are then the output's row totals.
@@ -26,10 +26,11 @@ import polars as pl
 
 from batchinfer.io import layout
 from batchinfer.io.layout import REPORT_HTML, REPORT_JSON  # noqa: F401  (names re-exported)
-from batchinfer.io.manifest import Manifest, atomic_write_text
+from batchinfer.io.manifest import Manifest
+from batchinfer.io.store import Location
 from batchinfer.observe import answers, runinfo
 from batchinfer.observe.labels import LATENCY_COLUMNS, PERCENTILES
-from batchinfer.observe.records import ROW_SCHEMA, STEP_SCHEMA, error_kind, part_paths, read_parts
+from batchinfer.observe.records import ROW_SCHEMA, STEP_SCHEMA, error_kind, part_locations, read_parts
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +86,14 @@ def _run_offsets(steps: pl.DataFrame, rows: pl.DataFrame) -> pl.DataFrame:
     return runs.with_columns(pl.col("start").fill_null(0.0))
 
 
-def load_records(out_dir: str | Path) -> tuple[pl.DataFrame, pl.DataFrame, Manifest | None]:
+def load_records(out_dir: "str | Path | Location") -> tuple[pl.DataFrame, pl.DataFrame, Manifest | None]:
     """(steps, rows, manifest) of an output folder; both frames get an `elapsed` column (joined time axis)."""
-    out = Path(out_dir)
+    out = layout.output_dir(out_dir)
     steps = read_parts(layout.steps_dir(out), STEP_SCHEMA)
     rows = read_parts(layout.rows_dir(out), ROW_SCHEMA)
     steps = steps.unique(subset=["run_id", "step"], keep="last", maintain_order=True)  # see PartSink.compact
     rows = rows.unique(subset="id", keep="last", maintain_order=True)
-    manifest = Manifest.load(out) if layout.manifest_path(out).exists() else None
+    manifest = Manifest.load(out)
     if manifest is not None and manifest.parts and manifest.id_column:
         kept = pl.DataFrame({"id": sorted(manifest.finished_ids())}, schema={"id": pl.Utf8})
         dropped = rows.height
@@ -225,8 +226,7 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
         }
         rejects = layout.rejects_path(manifest.folder)
         if rejects.exists():
-            with open(rejects, "rb") as fh:
-                output["rejects"] = sum(1 for line in fh if line.strip())
+            output["rejects"] = sum(1 for line in rejects.read_bytes().splitlines() if line.strip())
     return {
         "totals": totals,
         "throughput": throughput,
@@ -243,7 +243,7 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
 # ------------------------------------------------------------------------------------------ writing
 
 
-def _answers_sections(out: Path, config: dict[str, Any] | None, schema: dict[str, Any] | None,
+def _answers_sections(out: Location, config: dict[str, Any] | None, schema: dict[str, Any] | None,
                       manifest: Manifest | None, rows: pl.DataFrame) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(samples, answers): a few example rows, and what a structured job's answers say per field."""
     lf = answers.output_frame(manifest)
@@ -277,12 +277,12 @@ def _headline(report: dict[str, Any], rows: pl.DataFrame) -> dict[str, Any]:
     }
 
 
-def build_report(out_dir: str | Path, run: dict[str, Any] | None = None) -> tuple[dict[str, Any], pl.DataFrame, pl.DataFrame]:
+def build_report(out_dir: "str | Path | Location", run: dict[str, Any] | None = None) -> tuple[dict[str, Any], pl.DataFrame, pl.DataFrame]:
     """(report dict, steps, rows). `run`: what the driver knows (config, fingerprint, ...), kept as is;
     the RUN_FACTS keys in it are the facts a previous report recorded (see previous_facts)."""
-    out = Path(out_dir)
+    out = layout.output_dir(out_dir)
     steps, rows, manifest = load_records(out)
-    report: dict[str, Any] = {"version": 2, "out_dir": str(out.resolve()), "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    report: dict[str, Any] = {"version": 2, "out_dir": out.uri, "records_dir": layout.records_dir(out).uri, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     run = dict(run or {})
     report["fingerprint"] = run.pop("fingerprint", None) or (manifest.fingerprint if manifest else None)
     config = report["config"] = run.pop("config", None)
@@ -291,7 +291,7 @@ def build_report(out_dir: str | Path, run: dict[str, Any] | None = None) -> tupl
     report["run"] = run
     structured = runinfo.section(config, "structured")
     report["job"] = {
-        "name": out.resolve().name,
+        "name": out.name,
         "input": runinfo.section(config, "input").get("path"),
         "template": runinfo.section(config, "prompt").get("template"),
         "structured": next((k for k in ("json_schema", "regex", "choice") if structured.get(k) is not None), None),
@@ -312,16 +312,16 @@ def build_report(out_dir: str | Path, run: dict[str, Any] | None = None) -> tupl
     return report, steps, rows
 
 
-def write_report(out_dir: str | Path, run: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write `_report.json` and `_report.html` for out_dir; returns the report dict."""
+def write_report(out_dir: "str | Path | Location", run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write `report.json` and `report.html` in out_dir's records folder (io/layout.py); returns the report dict."""
     from batchinfer.observe.page import render_html  # matplotlib is imported only when a page is drawn
 
-    out = Path(out_dir)
+    out = layout.output_dir(out_dir)
     report, steps, rows = build_report(out, run)
     json_path, html_path = layout.report_json_path(out), layout.report_html_path(out)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(json_path, json.dumps(report, indent=1, default=str) + "\n")
-    atomic_write_text(html_path, render_html(report, steps, rows))
+    json_path.parent.makedirs()
+    json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    html_path.write_text(render_html(report, steps, rows))
     log.info("wrote %s and %s", json_path, html_path)
     return report
 
@@ -374,14 +374,14 @@ def summary_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def previous_facts(out_dir: str | Path) -> dict[str, Any]:
+def previous_facts(out_dir: "str | Path | Location") -> dict[str, Any]:
     """The run's own facts (config, fingerprint, versions, model, schema, driver summary) from the
-    `_report.json` the run wrote, for a report rebuilt later; {} when there is none."""
+    `report.json` the run wrote, for a report rebuilt later; {} when there is none."""
     prev = layout.report_json_path(out_dir)
     if not prev.exists():
         return {}
     try:
-        old = json.loads(prev.read_text(encoding="utf-8"))
+        old = json.loads(prev.read_text())
     except (OSError, ValueError) as e:
         log.warning("%s is unreadable (%s); the run's config and versions are left out", prev, e)
         return {}
@@ -392,21 +392,40 @@ def previous_facts(out_dir: str | Path) -> dict[str, Any]:
     return run
 
 
-def check_records(out_dir: str | Path) -> Path:
-    """out_dir as a Path; FileNotFoundError (one line) when it is no folder or has no run records."""
-    out = Path(out_dir)
+def check_records(out_dir: "str | Path | Location") -> Location:
+    """out_dir as a Location; FileNotFoundError (one line) when it is no folder or has no run records.
+    An output folder of an older version has its records moved beside it first (unless a run holds its lock)."""
+    out = layout.output_dir(out_dir)
     if not out.is_dir():
         raise FileNotFoundError(f"{out}: no such output folder")
+    _migrate_unless_locked(out)
     steps, rows = layout.steps_dir(out), layout.rows_dir(out)
-    if not part_paths(steps) and not part_paths(rows):
-        raise FileNotFoundError(f"{out}: no run records ({steps.name}/, {rows.name}/); was it written by batchinfer run?")
+    if not part_locations(steps) and not part_locations(rows):
+        raise FileNotFoundError(f"{out}: no run records ({steps}/, {rows}/); was it written by batchinfer run?")
     return out
 
 
-def report_command(out_dir: str | Path) -> str:
-    """`batchinfer report OUT_DIR`: rebuild `_report.json`/`_report.html` from the records; return the summary.
+def _migrate_unless_locked(out: Location) -> None:
+    """Move an older version's records out of `out` (under its lock; a running job has done it already)."""
+    from batchinfer.io.manifest import lock_output
+    from batchinfer.job.spec import JobError
 
-    The run's own facts are kept from the previous `_report.json` when there is one (previous_facts).
+    if not layout.legacy_manifest_path(out).exists() and not (out / "_rows").is_dir() and not (out / "_steps").is_dir():
+        return
+    try:
+        lock = lock_output(out)
+    except JobError:
+        return
+    try:
+        layout.migrate_legacy(out)
+    finally:
+        lock.close()
+
+
+def report_command(out_dir: "str | Path | Location") -> str:
+    """`batchinfer report OUT_DIR`: rebuild `report.json`/`report.html` from the records; return the summary.
+
+    The run's own facts are kept from the previous `report.json` when there is one (previous_facts).
     """
     out = check_records(out_dir)
     return summary_text(write_report(out, previous_facts(out)))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Callable, ClassVar, Iterator
 
+from batchinfer.io import layout
 from batchinfer.io import manifest as mf
 from batchinfer.io.readers import Reject, Row
 from batchinfer.job.executors.base import RunHooks
@@ -415,11 +416,12 @@ class Coordinator:
 
     def _remove_dead_temps(self) -> None:
         """Every worker has ended: a temp part left now is one a killed worker never finished."""
-        for p in self.manifest.folder.glob(f"{mf.TMP_PREFIX}part-*"):
-            try:
-                p.unlink()
-            except OSError:
-                pass
+        for p in layout.tmp_dir(self.manifest.folder).files():
+            if p.name.startswith(".part-"):
+                try:
+                    p.delete()
+                except OSError:
+                    pass
 
     def _kill_all(self) -> None:
         for w in self.workers:

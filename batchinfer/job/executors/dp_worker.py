@@ -29,7 +29,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from batchinfer.job.executors.parts import WorkerPartWriter
@@ -48,7 +47,7 @@ class WorkerArgs:
     index: int
     job: dict[str, Any]  # JobSpec.model_dump(mode="json"); its paths are absolute
     overrides: tuple[str, ...]  # e.g. engine.device=cuda when the driver's device named a GPU index
-    folder: str
+    folder: str  # the output folder: a local path or a URI
     fingerprint: str
     columns: dict[str, Any]  # output column -> Arrow type (fixed by the driver: every worker writes the same schema)
     engine_factory: Callable[..., Any]  # engine_factory(spec) -> engine; must be importable (spawn)
@@ -172,7 +171,7 @@ def _session(first: tuple, inbox: "queue.Queue[tuple]", args: WorkerArgs, spec: 
         reports.send(("part", part, ids))
 
     writer = WorkerPartWriter(
-        Path(args.folder), args.fingerprint, spec.input.id_column, args.columns,
+        args.folder, args.fingerprint, spec.input.id_column, args.columns,
         spec.output.rows_per_part, spec.output.seconds_per_part, next_number, on_part,
     )
 

@@ -1,7 +1,7 @@
 """Part files written by a worker (a process or a Ray actor) that does not own the manifest.
 
-A worker commits parts exactly as the single-engine writer does (temp name, fsync, rename; the part
-carries the job fingerprint), but the part's number comes from the driver (a shared counter, so two
+A worker commits parts exactly as the single-engine writer does (whole under the final name: see
+io/writer.py; the part carries the job fingerprint), but the part's number comes from the driver (a shared counter, so two
 workers never pick the same name) and the commit is reported, with the part's ids, instead of being
 written to the manifest: the driver records it. If the worker dies between the rename and the report,
 the driver's recovery (`manifest.recover`) finds the part: it is complete and ours.
@@ -9,24 +9,23 @@ the driver's recovery (`manifest.recover`) finds the part: it is complete and ou
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from batchinfer.io import layout
 from batchinfer.io.id_key import array_keys
 from batchinfer.io.id_key import key as id_key
-
-from batchinfer.io.manifest import Manifest, PartInfo
+from batchinfer.io.manifest import Manifest, PartInfo, read_columns
+from batchinfer.io.store import Location
 from batchinfer.io.writer import PartWriter
 
 
 class DetachedManifest(Manifest):
     """The manifest as a worker sees it: folder and fingerprint; add_part remembers, never saves."""
 
-    def __init__(self, folder: Path, fingerprint: str, id_column: str) -> None:
-        super().__init__(Path(folder), fingerprint, {}, id_column)
+    def __init__(self, folder: "str | Location", fingerprint: str, id_column: str) -> None:
+        super().__init__(layout.output_dir(folder), fingerprint, {}, id_column)
         self.last: PartInfo | None = None
 
     def add_part(self, part: PartInfo) -> None:
@@ -41,7 +40,7 @@ class WorkerPartWriter(PartWriter):
 
     def __init__(
         self,
-        folder: Path,
+        folder: "str | Location",
         fingerprint: str,
         id_column: str,
         columns: dict[str, pa.DataType | None],
@@ -68,10 +67,11 @@ class WorkerPartWriter(PartWriter):
         self.on_part(part, ids)
 
 
-def part_ids(folder: Path, name: str, id_column: str) -> list[str]:
+def part_ids(folder: "str | Location", name: str, id_column: str) -> list[str]:
     """The ids (canonical keys, like Manifest.finished_ids) of one committed part."""
-    col = pq.read_table(str(Path(folder) / name), columns=[id_column]).column(id_column)
-    return [k for k in array_keys(col).to_pylist() if k is not None]
+    table = read_columns([layout.output_dir(folder) / name], [id_column])
+    assert table is not None
+    return [k for k in array_keys(table.column(id_column)).to_pylist() if k is not None]
 
 
 def infer_types(columns: dict[str, pa.DataType | None], rows: list[dict[str, Any]]) -> dict[str, pa.DataType | None]:

@@ -4,7 +4,7 @@ The driver (the `batchinfer run` process) plans as always: it takes the output l
 and knows the finished ids. Ray Data reads the input files (`read_parquet` / `read_json`), and a pool
 of `EngineActor`s (one per GPU, `num_gpus=1`; CPU actors without GPUs) drops rows already finished
 (the same anti-join as a local run), renders prompts, runs the engine and commits part files itself
-(temp name, fsync, rename). Each batch returns the parts it committed (names, counts, ids, row
+(whole under the final name: io/writer.py). Each batch returns the parts it committed (names, counts, ids, row
 records); the driver records them in the manifest. So resume and exactly-once are the local
 mechanism: a part committed by an actor that died before its batch returned is recovered on the
 next start, and its ids are not done again.
@@ -17,14 +17,16 @@ Bad input rows are handled as in a local run ("one bad row never kills a job"). 
 `ray.data.read_parquet`; JSONL(.gz) files are read one file per Ray task with the local reader
 (`readers.iter_jsonl`), so a line that is not a JSON object, or has no usable id, becomes the same
 `Reject` (file, line, start of the line, reason). Each reader task writes its file's rejects, in line
-order, to a temp file in the output folder; after the run the driver joins them (and the Parquet rows
-with a null id, found from the id column) in input-file order into `_rejects.jsonl`, exactly what the
+order, to a temp file in the output's records folder (io/layout.py); after the run the driver joins them (and the Parquet rows
+with a null id, found from the id column) in input-file order into `rejects.jsonl`, exactly what the
 local executor writes, and counts them in the summary (so they count as errors for the exit code).
 Good JSONL rows travel to the engine actors pickled (the parsed dict, only the columns the job reads),
 so JSON values of any type reach the prompt template exactly as they do locally.
 
-The output folder must be one that every node can write (a shared file system), and the driver must
-be able to read the inputs (it checks the ids before the run).
+The output folder must be one that every node can write (a shared file system, or an object store
+URI such as s3://, which every node reaches with its own credentials), and the driver must be able to
+read the inputs (it checks the ids before the run). Hive partition columns (`year=2024/` folders) are
+added to each row by the actors from the row's file path, typed as in a local run.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ import os
 import pickle
 import time
 import warnings
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
 import pyarrow as pa
 
+from batchinfer.io import layout
 from batchinfer.io import manifest as mf
 from batchinfer.io.readers import InputError, InputFile, Reject, Row, iter_jsonl, iter_parquet
 from batchinfer.job.executors.base import RunHooks
@@ -71,11 +73,13 @@ class EngineActor:
     """One engine on one Ray worker (one GPU): a batch of input rows in, the parts it committed out."""
 
     def __init__(self, job: dict[str, Any], folder: str, fingerprint: str, columns: dict[str, Any], finished: pa.Array,
-                 counter: Any, engine_factory: Callable[..., Any], read_columns: list[str]) -> None:
+                 counter: Any, engine_factory: Callable[..., Any], read_columns: list[str],
+                 partitions: dict[str, list[tuple[str, Any]]] | None = None) -> None:
         self.spec = load_job(job)
         self.folder, self.fingerprint, self.columns, self.counter = folder, fingerprint, columns, counter
         self.finished = finished
         self.read_columns = read_columns
+        self.partitions = partitions or {}  # input file path -> its hive partition values
         self.engine = engine_factory(self.spec)
         self.stages = row_stages(self.spec, self.engine)
 
@@ -111,6 +115,8 @@ class EngineActor:
             batch = self._pending(batch)
             for i, values in enumerate(batch.to_pylist()):
                 path = values.pop(PATH_COLUMN, "") if PATH_COLUMN not in self.read_columns else ""
+                if self.partitions:
+                    values = {**{k: v for k, v in self.partitions.get(path, ()) if k not in values}, **values}
                 rows.append(Row(values, path or "input", i + 1))
         return rows
 
@@ -124,7 +130,7 @@ class EngineActor:
         parts: list[tuple[mf.PartInfo, list[str]]] = []
         records: list[Any] = []
         writer = WorkerPartWriter(
-            Path(self.folder), self.fingerprint, self.spec.input.id_column, self.columns,
+            self.folder, self.fingerprint, self.spec.input.id_column, self.columns,
             self.spec.output.rows_per_part, self.spec.output.seconds_per_part, self._next_number,
             lambda part, ids: parts.append((part, ids)),
         )
@@ -156,25 +162,28 @@ def _counter_actor(ray: Any, start: int) -> Any:
     return PartCounter.remote(start)
 
 
-def file_rejects_path(out: Path, index: int) -> Path:
-    """Where the reader of input file number `index` leaves its rejects (a temp name: removed on the next start)."""
-    return Path(out) / f"{mf.TMP_PREFIX}rejects.{index:06d}.jsonl"
+def file_rejects_path(out: Any, index: int) -> Any:
+    """Where the reader of input file number `index` leaves its rejects (in the records' tmp/: removed on the next start)."""
+    return layout.tmp_dir(out) / f"rejects.{index:06d}.jsonl"
 
 
 def read_jsonl_files(batch: pa.Table, id_column: str, columns: list[str], batch_size: int, out: str,
                      rejected: dict[str, dict[int, str]] | None = None) -> Iterator[pa.Table]:
     """A Ray Data UDF: read the listed JSONL files with the local reader, yield their rows (bounded blocks).
 
-    Each file's rejects go to file_rejects_path(out, index), written under a `.part` name and renamed when the
-    file is done, so the driver only ever joins complete reject lists (a retried task rewrites its file).
+    Each file's rejects go to file_rejects_path(out, index), which appears (whole) only when the file is
+    done, so the driver only ever joins complete reject lists (a retried task rewrites its file).
     rejected: path -> {line: reason} of lines rejected although they have an id (io/ids.py, OpenAI files).
     """
+    import json
+
     keep = set(columns)
-    for path, index in zip(batch.column("file").to_pylist(), batch.column("index").to_pylist()):
-        final = file_rejects_path(Path(out), index)
-        partial = final.with_name(final.name + ".part")
-        with open(partial, "w", encoding="utf-8") as rf:
-            for items in iter_jsonl(InputFile(path, "jsonl"), id_column, batch_size, (rejected or {}).get(path)):
+    cols = [batch.column(c).to_pylist() for c in ("file", "index", "partitions")]
+    for path, index, parts in zip(*cols):
+        final = file_rejects_path(out, index)
+        file = InputFile(path, "jsonl", tuple((k, v) for k, v in json.loads(parts)))
+        with final.open_atomic_text() as rf:
+            for items in iter_jsonl(file, id_column, batch_size, (rejected or {}).get(path)):
                 blobs, lines = [], []
                 for item in items:
                     if isinstance(item, Reject):
@@ -188,21 +197,24 @@ def read_jsonl_files(batch: pa.Table, id_column: str, columns: list[str], batch_
                         FILE_COLUMN: pa.array([path] * len(blobs), pa.string()),
                         LINE_COLUMN: pa.array(lines, pa.int64()),
                     })
-        partial.replace(final)
 
 
-def _read(ray: Any, files: list[Any], columns: list[str], id_column: str, batch_size: int, out: Path,
+def _read(ray: Any, files: list[Any], columns: list[str], id_column: str, batch_size: int, out: Any,
           rejected: dict[tuple[str, int], str] | None = None) -> Any:
     """One Ray dataset over the job's input files (Parquet: only the columns the job reads; JSONL: see read_jsonl_files)."""
+    import json
+
     from batchinfer.io.readers import lines_of
 
-    parquet = [f.path for f in files if f.format == "parquet"]
-    jsonl = [{"file": f.path, "index": i} for i, f in enumerate(files) if f.format != "parquet"]
+    parquet = [f for f in files if f.format == "parquet"]
+    jsonl = [{"file": f.path, "index": i, "partitions": json.dumps(list(f.partitions))} for i, f in enumerate(files) if f.format != "parquet"]
     parts = []
     with_paths = PATH_COLUMN not in columns
     if parquet:
-        ds = ray.data.read_parquet(parquet, include_paths=with_paths)
-        parts.append(ds.select_columns(columns + [PATH_COLUMN] if with_paths else columns))
+        hive = {k for f in parquet for k, _ in f.partitions}
+        in_files = [c for c in columns if c not in hive]  # partition columns are added by the actors
+        ds = ray.data.read_parquet([f.path for f in parquet], include_paths=with_paths, partitioning=None)
+        parts.append(ds.select_columns(in_files + [PATH_COLUMN] if with_paths else in_files))
     if jsonl:
         listing = ray.data.from_items(jsonl, override_num_blocks=len(jsonl))
         parts.append(listing.map_batches(
@@ -222,8 +234,9 @@ def parquet_rejects(file: Any, id_column: str, batch_size: int, columns: list[st
     import pyarrow.parquet as pq
 
     try:
-        if pq.ParquetFile(file.path).read(columns=[id_column]).column(id_column).null_count == 0:
-            return
+        with file.open_file() as fh:
+            if pq.ParquetFile(fh).read(columns=[id_column]).column(id_column).null_count == 0:
+                return
     except (OSError, KeyError) as e:
         raise InputError(f"cannot read {file.path}: {e}") from None
     for items in iter_parquet(file, id_column, batch_size, columns):
@@ -231,11 +244,10 @@ def parquet_rejects(file: Any, id_column: str, batch_size: int, columns: list[st
 
 
 def _write_rejects(plan: JobPlan, columns: list[str]) -> int:
-    """Join every input file's rejects, in input order, into `_rejects.jsonl` (as a local run writes it); their count."""
+    """Join every input file's rejects, in input order, into `rejects.jsonl` (as a local run writes it); their count."""
     out, spec = plan.output_dir, plan.spec
-    tmp = out / f"{mf.TMP_PREFIX}{mf.REJECTS}"
     n = 0
-    with open(tmp, "w", encoding="utf-8") as rf:
+    with layout.rejects_path(out).open_atomic_text(tmp_dir=layout.tmp_dir(out)) as rf:
         for i, f in enumerate(plan.files):
             if f.format == "parquet":
                 for r in parquet_rejects(f, spec.input.id_column, spec.input.batch_size, columns):
@@ -245,14 +257,21 @@ def _write_rejects(plan: JobPlan, columns: list[str]) -> int:
             part = file_rejects_path(out, i)
             if not part.exists():
                 raise RunError(f"the Ray reader of {f.path} left no rejects list ({part.name}); run again to resume")
-            with open(part, encoding="utf-8") as src:
-                for line in src:
-                    rf.write(line)
-                    n += 1
-    tmp.replace(out / mf.REJECTS)
+            for line in part.read_text().splitlines(keepends=True):
+                rf.write(line)
+                n += 1
     for i, f in enumerate(plan.files):
-        file_rejects_path(out, i).unlink(missing_ok=True)
+        file_rejects_path(out, i).delete()
     return n
+
+
+def _partitions_by_path(files: list[Any]) -> dict[str, list[tuple[str, Any]]]:
+    """Input file path (as Ray Data's path column gives it: no scheme for a URI) -> its partition values."""
+    out: dict[str, list[tuple[str, Any]]] = {}
+    for f in files:
+        if f.partitions:
+            out[f.path] = out[f.location.path] = list(f.partitions)
+    return out
 
 
 def num_actors(ray: Any, spec: JobSpec) -> tuple[int, int]:
@@ -277,7 +296,7 @@ def _engine_stage(ray: Any, plan: JobPlan, needed: list[str], columns: dict[str,
         fn_constructor_kwargs={
             "job": spec.model_dump(mode="json"), "folder": str(out), "fingerprint": plan.manifest.fingerprint,
             "columns": columns, "finished": finished, "counter": counter, "engine_factory": engine_factory,
-            "read_columns": needed,
+            "read_columns": needed, "partitions": _partitions_by_path(plan.files),
         },
         batch_size=batch_rows,
         batch_format="pyarrow",

@@ -16,6 +16,8 @@ import time
 
 CLI_LOADED = time.perf_counter()  # when this module started loading (the run's phases count imports from here)
 
+import dataclasses  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402

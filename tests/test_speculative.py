@@ -128,7 +128,11 @@ def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model):
     reqs.append(Request("lp", rand_prompt(rng, 6), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)))
     plain, spec, steps = plain_and_oracle(tiny_model, reqs, corrupt)
     assert_same(plain, spec)
-    assert spec["lp"].logprobs == plain["lp"].logprobs and len(spec["lp"].logprobs) == 8
+    # same tokens; values within float32 noise (the verify step's matmuls have other shapes)
+    assert len(spec["lp"].logprobs) == 8
+    for x, y in zip(spec["lp"].logprobs, plain["lp"].logprobs):
+        assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
     accepted = sum(s.spec_accepted for s in steps)
     verified = sum(s.spec_verified for s in steps)
     assert accepted > 0 and verified > accepted * (1.0 if corrupt == 0 else 1.05) - 1e-9
@@ -140,7 +144,7 @@ def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model):
 def test_stops_min_tokens_and_chunked_prefill(tiny_model):
     rng = random.Random(2)
     base = [Request(f"p{i}", rand_prompt(rng, n), SamplingParams(max_tokens=16, temperature=t, seed=i, ignore_eos=True))
-            for i, (n, t) in enumerate([(3, 0.0), (40, 0.9)])]
+            for i, (n, t) in enumerate([(3, 0.0), (40, 0.9), (17, 1.0)])]
     free = run(make_engine(tiny_model), base)
     reqs = list(base)
     for i, r in enumerate(base):

@@ -202,10 +202,27 @@ def jsonl_lines(file: "InputFile | str") -> Iterator[tuple[int, bytes]]:
     if isinstance(file, str):
         file = InputFile(file, "jsonl")
     with file.open_binary() as fh:
-        for n, raw in enumerate(fh, start=1):
+        for n, raw in enumerate(_lines(fh), start=1):
             if n == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM):]
             yield n, raw
+
+
+def _lines(fh: Any, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """The lines of a binary stream, each with its newline, read in chunks (a store's input stream,
+    such as pyarrow's, need not support readline)."""
+    rest = b""
+    while True:
+        data = fh.read(chunk)
+        if not data:
+            break
+        data, start = rest + data, 0
+        while (end := data.find(b"\n", start)) >= 0:
+            yield data[start : end + 1]
+            start = end + 1
+        rest = data[start:]
+    if rest:
+        yield rest
 
 
 def _excerpt(raw: bytes) -> str:

@@ -294,7 +294,7 @@ def _open_output(
     lock: Any,
 ) -> JobPlan:
     """An output with committed parts: its finished ids, the id type (older parts widened), check_content."""
-    out = Path(spec.output.path)
+    out = spec.output.path  # a local path or a URI: layout.output_dir reads both
     ids = preflight.ids.result()
     finished = read_finished(manifest, spec.input.id_column)
     key_types = _widen_ids(spec, manifest, ids, finished, key_types)

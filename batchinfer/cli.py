@@ -173,8 +173,7 @@ def run(
     printed: list[bool] = []
 
     def print_summary(s: Any) -> None:  # as soon as the rows are committed; the report is written after it
-        typer.echo(s.describe(), err=json_mode)
-        sys.stdout.flush()
+        _echo_summary(s.describe(), json_mode, log_format)
         printed.append(True)
 
     stop = handlers = None
@@ -210,7 +209,7 @@ def run(
         elif stop is not None:
             stop.reason = stop.reason or "the run ended"  # a signal from now on: os._exit, one line
     if not printed:  # nothing to do: no rows ran
-        typer.echo(summary.describe(), err=json_mode)
+        _echo_summary(summary.describe(), json_mode, log_format)
     phases.mark("exit")
     _log_phases(phases.as_dict(), logging.INFO if log_format == "json" else logging.DEBUG)
     if summary.stopped:
@@ -220,6 +219,16 @@ def run(
         raise fail(msg, EXIT_ERROR_RATE, summary)
     if json_mode:
         typer.echo(summary_json(EXIT_OK, summary))
+
+
+def _echo_summary(text: str, json_mode: bool, log_format: str) -> None:
+    """The human summary: on stdout, or on stderr when stdout gets the JSON summary; with --log-format
+    json stderr holds only JSON lines, so there it is a log line of its own."""
+    if json_mode and log_format == "json":
+        logging.getLogger("batchinfer.summary").info("%s", text, extra={"fields": {"event": "summary"}})
+    else:
+        typer.echo(text, err=json_mode)
+    sys.stdout.flush()
 
 
 def _log_phases(phases: dict[str, Any], level: int) -> None:

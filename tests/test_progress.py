@@ -44,8 +44,10 @@ def test_the_cli_writes_json_progress_and_phase_lines_to_a_pipe(tiny_model, tmp_
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300,
     )
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "done: 12 rows" in p.stdout  # the summary stays plain text on stdout
+    summary = json.loads(p.stdout.splitlines()[-1])  # a pipe: the summary is one JSON line, the last on stdout
+    assert summary["status"] == "done" and summary["exit_code"] == 0
     lines = [json.loads(line) for line in p.stderr.splitlines() if line.strip()]  # every stderr line is JSON
+    assert any(o.get("event") == "summary" and "done: 12 rows" in o["message"] for o in lines)
     assert all({"time", "level", "logger", "message"} <= set(o) for o in lines)
     progress = [o for o in lines if o.get("event") == "progress"]
     assert progress, "no progress line on a pipe"

@@ -68,7 +68,7 @@ def test_the_preflight_overlaps_the_engine_load_which_reuses_its_tokenizer_and_g
     # the report holds the phases up to its own writing
     import json
 
-    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "_out.batchinfer" / "report.json").read_text())
     assert report["run"]["summary"]["phases"]["marks"]["first_step"] == marks["first_step"]
 
 
@@ -76,8 +76,8 @@ def test_the_summary_is_handed_over_before_the_report_is_written(tiny_model, tmp
     seen = []
 
     def on_summary(s):
-        seen.append((s.this_run_rows, (tmp_path / "out" / "_report.json").exists(), s.report_path))
+        seen.append((s.this_run_rows, (tmp_path / "_out.batchinfer" / "report.json").exists(), s.report_path))
 
     s = run_job(_job(tiny_model, tmp_path), on_summary=on_summary)
-    assert seen == [(5, False, str(tmp_path / "out" / "_report.html"))]
-    assert (tmp_path / "out" / "_report.json").exists() and s.report_path == seen[0][2]
+    assert seen == [(5, False, str(tmp_path / "_out.batchinfer" / "report.html"))]
+    assert (tmp_path / "_out.batchinfer" / "report.json").exists() and s.report_path == seen[0][2]

@@ -29,6 +29,7 @@ from typing import Any
 
 from batchinfer.bench.corpus import CorpusSpec, write_corpus
 from batchinfer.bench.workloads import DOCS_SCHEMA
+from batchinfer.io.layout import report_json_path
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +271,7 @@ def run_job_bench(bench: JobBench) -> dict[str, Any]:
     print(f"bench job: {bench.corpus.docs} docs in {bench.corpus.shards} shards ({corpus_s:.1f}s to make or find), "
           f"model {bench.model}; running `batchinfer run {job}` ...", file=sys.stderr, flush=True)
     run = run_cli(job, bench, work / "run-stderr.log")
-    report = json.loads((work / "out" / "_report.json").read_text(encoding="utf-8"))
+    report = json.loads(report_json_path(work / "out").read_text())
     summary = (report.get("run") or {}).get("summary") or {}
     phases = run["phases"] or summary.get("phases") or {}
     rows, out_tokens, prompt_tokens = summary.get("this_run_rows", 0), summary.get("completion_tokens", 0), summary.get("prompt_tokens", 0)

@@ -64,12 +64,21 @@ def _merge_parts(ranks: dict[bytes, int], token: bytes) -> tuple[bytes, bytes]:
     return parts[0], parts[1]
 
 
-def build_qwen_tokenizer(out_dir: str | Path):
-    """Write the Qwen vocabulary as a Hugging Face tokenizer to `out_dir` and return it."""
+def build_qwen_tokenizer(out_dir: str | Path, num_ranks: int | None = None, specials: list[str] | None = None):
+    """Write the Qwen vocabulary as a Hugging Face tokenizer to `out_dir` and return it.
+
+    num_ranks: keep only the first num_ranks BPE tokens (a smaller vocabulary that still encodes any
+    text: every token is merged from lower-ranked ones, the 256 bytes come first); specials: the
+    special tokens, numbered from there on (default: Qwen's). It must hold <|im_start|> and
+    <|im_end|> (the chat template's markers; <|im_end|> is the EOS).
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     ranks = qwen_ranks()
+    if num_ranks is not None:
+        ranks = {tok: rank for tok, rank in ranks.items() if rank < num_ranks}
+    specials = list(specials) if specials is not None else QWEN_SPECIALS
     b2u = bytes_to_unicode()
 
     def enc(b: bytes) -> str:
@@ -92,7 +101,7 @@ def build_qwen_tokenizer(out_dir: str | Path):
     tok.decoder = decoders.ByteLevel()
     from tokenizers import AddedToken
 
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIALS])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"]
     )

@@ -29,6 +29,6 @@ if __name__ == "__main__":
     print(summary.describe())
     if summary.error_rate > 0.05:
         raise SystemExit(f"too many errors: {summary.error_rate:.1%}")
-    # read with a glob: polars reads every file of a folder, the manifest too
-    answers = pl.read_parquet(Path(summary.output_path) / "*.parquet")
+    # the output folder holds only the part files: any Parquet reader takes it as it is
+    answers = pl.read_parquet(summary.output_path)
     print(answers.select("doc_id", "title", "output_text", "finish_reason").head())

@@ -22,9 +22,9 @@ import polars as pl
 
 import batchinfer
 from batchinfer.bench.shapes import write_shape
-from batchinfer.executors.data_parallel import sigkill_workers_after
-from batchinfer.io.manifest import MANIFEST
-from batchinfer.run import RunError
+from batchinfer.io import layout
+from batchinfer.job import RunError
+from batchinfer.job.executors.data_parallel import sigkill_workers_after
 
 WORDS = "invoice total amount due date customer order shipping payment account balance report".split()
 SCHEMA = {
@@ -37,8 +37,8 @@ SCHEMA = {
 
 
 def check_exactly_once(out: Path, n: int) -> None:
-    ids = pl.read_parquet(out / "*.parquet")["doc_id"].sort().to_list()
-    manifest = json.loads((out / MANIFEST).read_text())
+    ids = pl.read_parquet(out)["doc_id"].sort().to_list()  # the folder holds only the parts
+    manifest = json.loads(layout.manifest_path(out).read_text())
     ok = ids == list(range(n)) and manifest["rows"] == n
     print(f"  {len(ids)} rows written, {len(set(ids))} distinct ids, manifest rows {manifest['rows']}: "
           f"{'every id exactly once' if ok else 'MISMATCH'}", flush=True)

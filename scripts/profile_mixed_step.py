@@ -123,9 +123,9 @@ def main() -> None:
     from batchinfer.engine.cuda_graphs import MixedGraphs
 
     t0 = time.perf_counter()
-    mixed = MixedGraphs(runner._logits_at, 8192, len(lens), runner.max_blocks_per_seq, runner._tile_tokens,
-                        runner.vocab_size, runner.info.dtype, runner.device)
-    mixed.capture()
+    buffers = runner.attention.graph_buffers(8192, len(lens), runner.max_blocks_per_seq, False, runner.device)
+    mixed = MixedGraphs(buffers, 8192, len(lens), runner.vocab_size, runner.info.dtype, runner.device)
+    mixed.capture(runner._logits_at)
     print(f"captured {len(mixed.sizes)} mixed-step graphs in {time.perf_counter() - t0:.1f} s, "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
     eager_logits = runner.forward(batch).clone()

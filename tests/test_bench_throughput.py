@@ -81,3 +81,13 @@ def test_cli_passes_engine_options_and_writes_json(tiny_model, tmp_path):
     assert r["engine"]["grammar_backend"] == "xgrammar" and r["engine"]["torch_threads"] == 1
     assert r["engine"]["grammar_threads"] == 3
     assert "of the roofline" in res.output
+
+
+def test_oracle_speculation_reports_acceptance(tiny_model, tmp_path):
+    """--speculative oracle: drafts from a recorded plain run; uncorrupted they are all accepted."""
+    r = run_throughput(str(tiny_model), "nano256", scale=0.02, cache_dir=tmp_path, speculative="oracle",
+                       spec_tokens=3, oracle_corrupt=0.0)
+    sp = r["speculative"]
+    assert r["errors"] == 0 and sp["verified"] > 0 and sp["accepted"] == sp["verified"]
+    assert sp["tokens_per_seq_per_forward"] > 1.5
+    assert "tokens per sequence per forward" in format_report(r)

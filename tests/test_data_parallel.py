@@ -10,14 +10,15 @@ import polars as pl
 import pytest
 
 import batchinfer
-from batchinfer.executors.data_parallel import Coordinator, DataParallelPlan, _Worker, plan_data_parallel, sigkill_workers_after
-from batchinfer.executors.parts import WorkerPartWriter
-from batchinfer.io.manifest import MANIFEST, REJECTS
+from batchinfer.job.executors.data_parallel import Coordinator, DataParallelPlan, _Worker, plan_data_parallel, sigkill_workers_after
+from batchinfer.job.executors.parts import WorkerPartWriter
+from batchinfer.io import layout
 from batchinfer.io.readers import Row
 from batchinfer.io.writer import output_schema
-from batchinfer.job import JobError, load_job
-from batchinfer.plan import plan_inputs
-from batchinfer.run import RunError
+from batchinfer.job.spec import JobError, load_job
+from batchinfer.job.plan import plan_inputs
+from batchinfer.job import RunError
+from batchinfer.job.results import result_columns
 
 N_ROWS = 48
 
@@ -48,8 +49,9 @@ def read(out: Path) -> pl.DataFrame:
 def assert_exactly_once(out: Path) -> pl.DataFrame:
     df = read(out)
     assert df["doc_id"].to_list() == list(range(N_ROWS))
-    assert json.loads((out / MANIFEST).read_text())["rows"] == N_ROWS
-    assert not [f for f in out.iterdir() if f.name.startswith("_tmp")]
+    assert json.loads(layout.manifest_path(out).read_text())["rows"] == N_ROWS
+    assert [f.name for f in out.iterdir() if not f.name.startswith("part-")] == []
+    assert not layout.tmp_dir(out).files()
     return df
 
 
@@ -70,6 +72,32 @@ def test_plan_workers():
         load_job({**base, "engine": {"data_parallel": 0}})
 
 
+def test_executors_are_chosen_by_name(monkeypatch):
+    """`local` is this host (one engine here unless engine.data_parallel asks for more), `data_parallel` always
+    worker processes; every executor has the declared interface."""
+    import torch
+
+    from batchinfer.job.executors import EXECUTORS, executor_for
+    from batchinfer.job.executors.base import Executor
+    from batchinfer.job.executors.data_parallel import DataParallelExecutor
+    from batchinfer.job.executors.local import LocalExecutor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a host without GPUs
+    base = {"model": "m", "input": {"path": "a", "id_column": "i"}, "output": {"path": "o"}, "prompt": {"template": "t"}}
+    spec = lambda **e: load_job({**base, "engine": {"device": "auto", **e}})  # noqa: E731
+    assert isinstance(executor_for("local", spec()), LocalExecutor)
+    assert isinstance(executor_for("local", spec(data_parallel="auto")), LocalExecutor)  # one CPU engine: no process
+    two = executor_for("local", spec(data_parallel=2))
+    assert isinstance(two, DataParallelExecutor) and two.dp.workers == 2
+    one = executor_for("data_parallel", spec())
+    assert isinstance(one, DataParallelExecutor) and one.dp.workers == 1
+    assert set(EXECUTORS) == {"local", "data_parallel", "ray"}
+    for ex in (LocalExecutor(), two):
+        assert isinstance(ex, Executor) and ex.name in EXECUTORS
+    with pytest.raises(JobError, match="--executor 'spark': use one of local, data_parallel, ray"):
+        executor_for("spark", spec())
+
+
 def test_two_workers_give_the_same_rows_as_one(tiny_model, tmp_path):
     write_input(tmp_path)
     one = batchinfer.run(job(tiny_model, tmp_path, "one", 1))
@@ -79,10 +107,10 @@ def test_two_workers_give_the_same_rows_as_one(tiny_model, tmp_path):
     cols = ["doc_id", "output_text", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
     assert a.select(cols).equals(b.select(cols))  # greedy float32: identical answers per id
     assert b.filter(pl.col("doc_id") == 5)["error"][0] and b.schema["doc_id"] == pl.Int64
-    assert (tmp_path / "one" / REJECTS).read_text() == (tmp_path / "two" / REJECTS).read_text() != ""
+    assert layout.rejects_path(tmp_path / "one").read_text() == layout.rejects_path(tmp_path / "two").read_text() != ""
     assert two.this_run_rows == one.this_run_rows == N_ROWS and two.rejects == 1 and len(seen) == N_ROWS
     assert two.completion_tokens == one.completion_tokens
-    assert json.loads((tmp_path / "two" / MANIFEST).read_text())["rows"] == N_ROWS
+    assert json.loads(layout.manifest_path(tmp_path / "two").read_text())["rows"] == N_ROWS
     assert batchinfer.run(job(tiny_model, tmp_path, "two", 2)).nothing_to_do
 
 
@@ -133,7 +161,7 @@ def test_part_committed_but_not_reported_is_recorded_and_not_redone(tiny_model, 
     write_input(tmp_path)
     plan = plan_inputs(load_job(job(tiny_model, tmp_path, "out", 2)))
     try:
-        columns = output_schema(plan.key_types, None)
+        columns = output_schema(plan.key_types, result_columns(None, 1, False))
         rows = [Row({"doc_id": i, "text": f"t{i}"}, "in.jsonl", i + 1) for i in range(6)]
         coord = Coordinator(plan, DataParallelPlan(2, None, 3), columns, iter(()), None, lambda spec: None)
         w = _Worker(0, _DeadProcess(), _ClosedPipe(), _ClosedPipe())

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from batchinfer.engine.cuda_graphs import graph_batch_sizes
-from batchinfer.engine.model_runner import _concat_aligned, block_table
+from batchinfer.attention.base import concat_aligned
+from batchinfer.engine.model_runner import block_table
 
 
 def test_graph_ladder():
@@ -35,7 +36,7 @@ def test_packed_parts_start_16_byte_aligned(lengths, dtype):
     """Every view into a step's packed host->device buffer starts on a 16-byte boundary, whatever
     the token count, so Triton never sees a new pointer alignment mid-run (a recompile)."""
     parts = [np.arange(n, dtype=dtype) + 100 * i for i, n in enumerate(lengths)]
-    buf, starts = _concat_aligned(parts)
+    buf, starts = concat_aligned(parts)
     assert buf.dtype == dtype
     for p, start in zip(parts, starts):
         assert (start * buf.itemsize) % 16 == 0

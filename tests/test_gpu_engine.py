@@ -1,10 +1,12 @@
-"""The engine on a GPU: CUDA-graph decode steps against eager ones, and parity with transformers.
+"""The engine on a GPU: CUDA-graph decode steps against eager ones, parity with transformers, engines
+built one after another in one process, and the KV sizing's activation estimate.
 
 Skipped without CUDA (conftest marks `gpu` tests). Small random demo models keep them fast.
 """
 
 from __future__ import annotations
 
+import gc
 import random
 from dataclasses import replace
 
@@ -174,3 +176,87 @@ def test_mixed_graphs_on_and_off_give_the_same_tokens(tiny_model):
         engine.allocator.check()
     same = sum(outs[0][k] == outs[1][k] for k in outs[0])
     assert same >= 27, f"only {same}/29 requests identical"
+
+
+def _settled_allocated() -> int:
+    """CUDA memory allocated once every dead object is collected and the cache emptied."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def test_engines_built_used_and_dropped_one_after_another_give_their_memory_back(tiny_model):
+    """A notebook, an Airflow task or a reused Ray actor builds engine after engine in one process
+    (batchinfer.run twice). Each of three engines, with decode and mixed-step graphs, captures, runs
+    the same requests to the same tokens, and once closed (the second) or dropped (the others)
+    leaves the CUDA memory allocated where it was before it. The second engine of a process used to
+    fail its mixed-graph capture ("operation failed due to a previous error during capture")."""
+    warm = _engine(tiny_model, "float32", max_num_batched_tokens=512)  # process-wide state: cuBLAS
+    vocab = warm.runner.vocab_size  # workspaces per stream, compiled kernels; not an engine's own
+    reqs = _requests(23, vocab, temperature=0.8, seed=11) + _requests(6, vocab, seed=12, temperature=0.0)
+    reqs = [replace(r, request_id=f"{i}-{r.request_id}") for i, r in enumerate(reqs)]
+    list(warm.generate(reqs[:4]))
+    del warm
+    start = _settled_allocated()
+    outs = []
+    for i in range(3):
+        engine = _engine(tiny_model, "float32", num_kv_blocks=4096, max_num_batched_tokens=512)
+        runner = engine.runner
+        assert runner.graphs is not None and runner.mixed_graphs is not None
+        outs.append({r.request_id: r.output_token_ids for r in engine.generate(reqs)})
+        assert len(outs[-1]) == len(reqs)
+        held = torch.cuda.memory_allocated() - start
+        assert held >= 4096 * 16 * 2 * 2 * 2 * 32 * 4, held  # at least its KV cache (2 layers, fp32)
+        if i == 1:
+            engine.close()  # released while the object is still referenced
+            assert runner.graphs is None and runner.kv_caches == []
+            assert _settled_allocated() - start <= 2 << 20, (i, held)
+        del engine, runner
+        after = _settled_allocated()
+        assert after - start <= 2 << 20, (i, held, after - start)
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_activation_estimate_is_near_the_profiled_peak(tmp_path):
+    """engine/kv_budget.py: `plan`'s estimate of the largest step's activations, against what the
+    runner measures on the device for a real shape (random weights)."""
+    from batchinfer.bench.shapes import write_shape
+    from batchinfer.engine import kv_budget
+    from batchinfer.engine.model_runner import ModelRunner
+
+    folder = write_shape("qwen3-0.6b", tmp_path / "qwen3-0.6b")
+    cfg = EngineConfig(
+        model=str(folder), dtype="bfloat16", device="cuda", load_format="random", cuda_graphs=False,
+        max_model_len=2048, kv_cache_memory_fraction=0.1,
+    )
+    runner = ModelRunner(cfg)
+    measured = runner.activation_peak_bytes
+    estimate = kv_budget.estimate_activation_bytes(cfg, runner.info)
+    assert 0.5 * measured <= estimate <= 2.0 * measured, (estimate, measured)
+    runner.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs):
+    """Speculative decoding on the GPU (float32, triton attention, mixed-step graphs on or off): drafts
+    from a plain run's output, 30% corrupted, verified in one forward; greedy and seeded sampling give
+    the plain run's tokens; no KV block leaks."""
+    from batchinfer.bench.oracle import oracle_drafter
+
+    reqs = _requests(24, 500, max_tokens=30, temperature=0.0) + [
+        Request(f"s{i}", r.prompt_token_ids, replace(r.sampling, temperature=0.9, seed=i))
+        for i, r in enumerate(_requests(16, 500, max_tokens=30, seed=1))
+    ]
+    plain = {r.request_id: r.output_token_ids for r in _engine(tiny_model, "float32", cuda_graphs=graphs).generate(reqs)}
+    steps: list = []
+    engine = Engine(
+        EngineConfig(model=str(tiny_model), dtype="float32", device="cuda", attention_backend="triton", max_num_seqs=40,
+                     num_kv_blocks=512, cuda_graphs=graphs, speculative={"num_tokens": 4}),
+        on_step=steps.append, drafter=oracle_drafter(plain, 0.3, 500),
+    )
+    spec = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
+    assert spec == plain
+    assert sum(s.spec_accepted for s in steps) > 0
+    engine.allocator.check()
+    assert engine.allocator.num_used == 0

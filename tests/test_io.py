@@ -12,11 +12,13 @@ import pyarrow.dataset  # noqa: F401
 import pyarrow.parquet as pq
 import pytest
 
+from batchinfer.io import layout
 from batchinfer.io import manifest as mf
 from batchinfer.io.ids import check_ids
 from batchinfer.io.readers import InputError, Reject, Row, iter_rows, list_input_files
 from batchinfer.io.writer import PartWriter, output_schema
-from batchinfer.job import JobError
+from batchinfer.job.spec import JobError
+from batchinfer.job.results import result_columns
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
@@ -107,22 +109,26 @@ def _writer(folder: Path, rows_per_part=3, fp="fp1"):
     folder.mkdir(exist_ok=True)
     m = mf.Manifest(folder, fp, {}, "id")
     m.save()
-    return m, PartWriter(m, output_schema({"id": None, "title": None}, None), rows_per_part, 3600)
+    return m, PartWriter(m, output_schema({"id": None, "title": None}, result_columns(None, 1, False)), rows_per_part, 3600)
 
 
 def test_writer_commits_parts_with_temp_names_and_manifest(tmp_path):
-    m, w = _writer(tmp_path / "out")
+    out = tmp_path / "out"
+    m, w = _writer(out)
     for i in range(7):
         w.add(_row(i, "bad" if i == 5 else None))
     assert mf.part_files(m.folder) == ["part-000000.parquet", "part-000001.parquet"]
     w.close()
     assert [p.rows for p in m.parts] == [3, 3, 1] and sum(p.errors for p in m.parts) == 1
-    assert not [p for p in m.folder.iterdir() if p.name.startswith(mf.TMP_PREFIX)]
+    # the output folder holds the parts and nothing else; no temp file is left anywhere
+    assert sorted(p.name for p in out.iterdir()) == [f"part-00000{i}.parquet" for i in range(3)]
+    assert not layout.tmp_dir(out).files()
+    assert (tmp_path / "_out.batchinfer" / "manifest.json").is_file()
     loaded = mf.Manifest.load(m.folder)
     assert loaded.parts == m.parts and loaded.fingerprint == "fp1"
     assert set(loaded.finished_ids().to_list()) == {str(i) for i in range(7)}
-    df = pl.read_parquet(m.folder / "*.parquet")
-    assert pa.dataset.dataset(m.folder).to_table().num_rows == 7  # pyarrow skips _manifest.json
+    df = pl.read_parquet(out)
+    assert pa.dataset.dataset(out).to_table().num_rows == 7
     assert sorted(df["id"].to_list()) == list(range(7))
     assert df.schema["prompt_tokens"] == pl.Int64 and df.schema["title"] == pl.Utf8
 
@@ -138,44 +144,50 @@ def test_writer_nulls_a_kept_value_that_does_not_fit(tmp_path):
     m, w = _writer(tmp_path / "out", rows_per_part=1)
     w.add(_row(1))
     w.add({**_row(2), "title": {"nested": 1}})
-    df = pl.read_parquet(m.folder / "*.parquet").sort("id")
+    df = pl.read_parquet(tmp_path / "out").sort("id")
     assert df["title"].to_list() == ["t1", None]
     assert "column 'title'" in df["error"][1] and df["finish_reason"][1] == "error"
 
 
 def test_recover_adds_unrecorded_part_of_this_job_and_deletes_torn_ones(tmp_path):
-    m, w = _writer(tmp_path / "out", rows_per_part=2)
+    out = tmp_path / "out"
+    m, w = _writer(out, rows_per_part=2)
     for i in range(4):
         w.add(_row(i))
     # simulate a kill between rename and manifest write: drop the last part from the manifest
     m.parts = m.parts[:1]
     m.save()
-    # an unreadable part, a stray temp file, a torn manifest temp
-    (m.folder / "part-000007.parquet").write_bytes(b"PAR1 torn")
-    (m.folder / f"{mf.TMP_PREFIX}part-000008.parquet.tmp").write_bytes(b"partial")
-    (m.folder / ".manifest.json.tmp").write_text("{")
-    assert mf.remove_temp_files(m.folder) == 2
+    # an unreadable part, a stray temp part (a kill during a write), a stray manifest temp, an older
+    # version's temp file inside the output folder
+    (out / "part-000007.parquet").write_bytes(b"PAR1 torn")
+    tmp = tmp_path / "_out.batchinfer" / "tmp"
+    tmp.mkdir(exist_ok=True)
+    (tmp / ".part-000008.parquet.x1.tmp").write_bytes(b"partial")
+    (tmp / ".manifest.json.x2.tmp").write_text("{")
+    (out / "_tmp.part-000009.parquet.tmp").write_bytes(b"partial")
+    assert mf.remove_temp_files(m.folder) == 3
     fresh = mf.Manifest.load(m.folder)
     assert mf.recover(fresh) == (1, 1)
     assert [p.name for p in fresh.parts] == ["part-000000.parquet", "part-000001.parquet"]
     assert set(fresh.finished_ids().to_list()) == {"0", "1", "2", "3"}
-    assert not (m.folder / "part-000007.parquet").exists()
+    assert not (out / "part-000007.parquet").exists()
 
 
 def test_recover_refuses_a_part_of_another_job(tmp_path):
-    m, w = _writer(tmp_path / "out", rows_per_part=1)
+    out = tmp_path / "out"
+    m, w = _writer(out, rows_per_part=1)
     w.add(_row(1))
-    pq.write_table(pa.table({"id": [99]}), m.folder / "part-000007.parquet")
+    pq.write_table(pa.table({"id": [99]}), out / "part-000007.parquet")
     with pytest.raises(JobError, match="part-000007.parquet is not output of this job"):
         mf.recover(mf.Manifest.load(m.folder))
-    assert (m.folder / "part-000007.parquet").exists()
+    assert (out / "part-000007.parquet").exists()
 
 
 def test_recover_forgets_parts_missing_on_disk(tmp_path):
     m, w = _writer(tmp_path / "out", rows_per_part=1)
     w.add(_row(1))
     w.add(_row(2))
-    (m.folder / "part-000000.parquet").unlink()
+    (tmp_path / "out" / "part-000000.parquet").unlink()
     fresh = mf.Manifest.load(m.folder)
     mf.recover(fresh)
     assert fresh.finished_ids().to_list() == ["2"]
@@ -184,19 +196,26 @@ def test_recover_forgets_parts_missing_on_disk(tmp_path):
 def test_clear_output_keeps_foreign_files(tmp_path):
     m, w = _writer(tmp_path / "out", rows_per_part=1)
     w.add(_row(1))
-    (m.folder / "README.txt").write_text("mine")
+    (tmp_path / "out" / "README.txt").write_text("mine")
     mf.clear_output(m.folder)
-    assert [p.name for p in m.folder.iterdir()] == ["README.txt"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["README.txt"]
+    assert not layout.manifest_path(tmp_path / "out").exists()
 
 
 def test_unreadable_manifest_is_a_clear_error(tmp_path):
-    (tmp_path / mf.MANIFEST).write_text("{not json")
+    (tmp_path / "_out.batchinfer").mkdir()
+    (tmp_path / "_out.batchinfer" / "manifest.json").write_text("{not json")
     with pytest.raises(JobError, match="manifest is unreadable"):
-        mf.Manifest.load(tmp_path)
+        mf.Manifest.load(tmp_path / "out")
 
 
-def test_check_ids_refuses_mixed_id_types(tmp_path):
+def test_check_ids_mixed_id_types_share_one_text_type(tmp_path):
+    """Ints in one file and strings in another: one common output type (string, the canonical key);
+    an int and its text are one id, so they are duplicates."""
     pq.write_table(pa.table({"id": [1, 2]}), tmp_path / "1.parquet")
     write_jsonl(tmp_path / "2.jsonl", [{"id": 3}, {"id": "x4"}])
-    with pytest.raises(InputError, match=r"mixes types \(integer at .*1.parquet; string at .*2.jsonl line 2\)"):
+    ids = check_ids(list_input_files(str(tmp_path)), "id")
+    assert sorted(ids.ids["id"].to_list()) == ["1", "2", "3", "x4"] and ids.id_type.type == pa.string()
+    write_jsonl(tmp_path / "3.jsonl", [{"id": "2"}])
+    with pytest.raises(InputError, match=r"duplicate id '2'.*1.parquet line 2; .*3.jsonl line 1"):
         check_ids(list_input_files(str(tmp_path)), "id")

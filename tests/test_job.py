@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from batchinfer.job import SCHEMA_PATH, JobError, JobSpec, apply_set, job_json_schema, load_job
+from batchinfer.job.spec import SCHEMA_PATH, JobError, JobSpec, apply_set, job_json_schema, load_job
 
 BASE = {
     "model": "models/tiny",
@@ -122,6 +123,39 @@ def test_spec_is_frozen_and_dict_jobs_work(tmp_path):
 
 
 def test_exported_schema_is_up_to_date():
-    assert SCHEMA_PATH.exists(), "run `python -m batchinfer.job` to write schemas/job.schema.json"
-    assert json.loads(SCHEMA_PATH.read_text()) == job_json_schema(), "run `python -m batchinfer.job` to refresh it"
+    assert SCHEMA_PATH.exists(), "run `python -m batchinfer.job.spec` to write schemas/job.schema.json"
+    assert json.loads(SCHEMA_PATH.read_text()) == job_json_schema(), "run `python -m batchinfer.job.spec` to refresh it"
     assert set(job_json_schema()["properties"]) == set(JobSpec.model_fields)
+
+
+def test_engine_section_mirrors_every_engine_config_field_set_nowhere_else():
+    import dataclasses
+
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.job.spec import ENGINE_FIELDS_ELSEWHERE, EngineSpec
+
+    config = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(EngineSpec.model_fields) == (config - set(ENGINE_FIELDS_ELSEWHERE)) | {"data_parallel"}
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    engine_block = readme[readme.index("engine:                              #"):readme.index("```", readme.index("engine:  "))]
+    keys = "\n".join(line.split("#")[0] for line in engine_block.splitlines())
+    listed = set(re.findall(r"(\w+):", keys)) - {"engine"}
+    assert listed == set(EngineSpec.model_fields), "README's engine keys differ from the job's engine section"
+
+
+def test_one_grammar_backend_setting(tmp_path, caplog):
+    regex = {"regex": "[a-z]+"}
+    spec = load_job({**BASE, "structured": {**regex, "backend": "outlines"}})
+    assert spec.grammar_backend == "outlines" and spec.engine_config().grammar_backend == "outlines"
+    assert load_job({**BASE, "structured": regex}).engine_config().grammar_backend == "auto"
+    # the deprecated alias engine.grammar_backend becomes structured.backend (what validate, plan and the engine use)
+    with caplog.at_level("WARNING"):
+        old = load_job({**BASE, "structured": regex, "engine": {"grammar_backend": "llguidance"}})
+    assert old.structured.backend == "llguidance" and old.engine_config().grammar_backend == "llguidance"
+    assert "grammar_backend" not in old.engine.model_dump() and "deprecated" in caplog.text
+    assert load_job(BASE, ["structured.regex=a", "engine.grammar_backend=xgrammar"]).grammar_backend == "xgrammar"
+    with pytest.raises(JobError, match=r"engine.grammar_backend \(deprecated\) is 'outlines' but structured.backend is 'xgrammar'"):
+        load_job({**BASE, "structured": {**regex, "backend": "xgrammar"}, "engine": {"grammar_backend": "outlines"}})
+    with pytest.raises(JobError, match="engine.grammar_backend .* not 'nope'"):
+        load_job({**BASE, "structured": regex, "engine": {"grammar_backend": "nope"}})
+    assert "grammar_backend" not in job_json_schema()["$defs"]["EngineSpec"]["properties"]

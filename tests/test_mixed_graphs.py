@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.attention.base import extend_tile_map
 from batchinfer.engine.cuda_graphs import MixedGraphs, mixed_graph_sizes
+from batchinfer.kernels.extend_attention import extend_tile_map
 from batchinfer.kernels.interpreter import ensure_interpreter
 
 
@@ -74,15 +74,14 @@ def _step(runner, starts, lens, tables, samples, seed):
 def test_staged_padded_step_gives_the_eager_logits(triton_runner):
     runner = triton_runner
     assert runner.mixed_graphs is None  # no graphs on the CPU; built by hand below
-    graphs = MixedGraphs(
-        runner._logits_at, 300, runner.config.max_num_seqs, runner.max_blocks_per_seq,
-        runner._tile_tokens, runner.vocab_size, torch.float32, runner.device,
-    )
+    seqs = runner.config.max_num_seqs
+    buffers = runner.attention.graph_buffers(300, seqs, runner.max_blocks_per_seq, False, runner.device)
+    graphs = MixedGraphs(buffers, 300, seqs, runner.vocab_size, torch.float32, runner.device)
     # sequences 0..2 are prefilled in step 1; in step 2, 0 and 1 decode, 2 continues its prompt and 3
     # starts one (padded to 256 rows); step 3 (padded to 128) is smaller, so stale rows of step 2
     # sit in the buffers: sample rows past 128 and tiles of sequence 3, whose stale query rows
     # overlap step 3's real rows, unless stage() clears them
-    m = runner._tile_tokens
+    m = runner.attention.tile_tokens
     assert 8 <= m <= 32, m
     tables = [list(range(40 * i, 40 * (i + 1))) for i in range(4)]
     steps = [

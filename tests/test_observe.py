@@ -29,8 +29,9 @@ from batchinfer.engine.request import RequestTimes, Result
 from batchinfer.engine.stats import StepStats
 from batchinfer.io.manifest import Manifest, PartInfo
 from batchinfer.observe import ObserveOptions, Observer, read_token_ids, report_command, row_metrics
-from batchinfer.observe.records import ROWS_DIR, STEPS_DIR, part_paths
-from batchinfer.observe.report import REPORT_HTML, REPORT_JSON, _dist, error_kind
+from batchinfer.io import layout
+from batchinfer.observe.records import part_paths
+from batchinfer.observe.report import _dist, error_kind
 from batchinfer.observe.trace import StepTracer, TraceConfig
 
 BLOCK = 16
@@ -144,10 +145,10 @@ def test_report_totals_equal_output(tmp_path):
     commit_part(out, manifest, batch)
     report = obs.close({"config": {"model": "tiny", "max_num_seqs": 6}})
     assert report is not None
-    saved = json.loads((out / REPORT_JSON).read_text())
+    saved = json.loads(layout.report_json_path(out).read_text())
     assert saved["totals"] == report["totals"]
 
-    output = pl.read_parquet(manifest.part_paths)
+    output = pl.read_parquet([str(p) for p in manifest.part_paths])
     t = saved["totals"]
     assert t["rows"] == output.height == 40
     assert t["errors"] == output.get_column("error").is_not_null().sum() == 40 // 9
@@ -168,14 +169,14 @@ def test_report_totals_equal_output(tmp_path):
     assert saved["latency_s"]["ttft"]["count"] == len(ttft)
     assert saved["latency_s"]["ttft"]["p90"] == pytest.approx(float(np.percentile(ttft, 90)))
     assert saved["kv"]["total_blocks"] == 64
-    page = (out / REPORT_HTML).read_text()
+    page = layout.report_html_path(out).read_text()
     assert page.count('src="data:image/png;base64,') == 5
 
-    (out / REPORT_HTML).unlink()
+    layout.report_html_path(out).delete()
     text = report_command(out)
     assert "rows 40 (ok 36, error 4)" in text
-    assert (out / REPORT_HTML).exists()
-    again = json.loads((out / REPORT_JSON).read_text())
+    assert layout.report_html_path(out).exists()
+    again = json.loads(layout.report_json_path(out).read_text())
     assert again["totals"] == saved["totals"] and again["config"] == saved["config"]
     assert again["fingerprint"] == "fp123"
 
@@ -192,7 +193,7 @@ def test_resume_after_crash_counts_each_row_once(tmp_path):
     feed(obs1, sim1.events)
     done = [ev[1] for k, ev in sim1.events if k == "result"]
     commit_part(out, manifest, done[:12])  # type: ignore[arg-type]
-    recorded = pl.read_parquet(part_paths(out / ROWS_DIR)).height
+    recorded = pl.read_parquet(part_paths(layout.rows_dir(out))).height
     assert 12 < recorded <= 20  # the dead run left rows that are not in the output
     # run 2 (resume) does the rest again
     left = [i for i in ids if i not in {r.request_id for r in done[:12]}]  # type: ignore[union-attr]
@@ -207,10 +208,10 @@ def test_resume_after_crash_counts_each_row_once(tmp_path):
     assert report["totals"]["runs"] == 2
     expect = sum(r.completion_tokens for r in done[:12]) + sum(r.completion_tokens for r in sim2.results.values())  # type: ignore[union-attr]
     assert report["totals"]["completion_tokens"] == expect
-    steps = pl.read_parquet(part_paths(out / STEPS_DIR))
+    steps = pl.read_parquet(part_paths(layout.steps_dir(out)))
     assert steps.get_column("run_id").n_unique() == 2
-    for folder in (STEPS_DIR, ROWS_DIR):  # close() merged run 2's small parts into one
-        assert len([p for p in part_paths(out / folder) if obs2.run_id in p]) == 1
+    for folder in (layout.steps_dir(out), layout.rows_dir(out)):  # close() merged run 2's small parts into one
+        assert len([p for p in part_paths(folder) if obs2.run_id in p]) == 1
     assert steps.filter(pl.col("run_id") == obs2.run_id).height == sum(k == "step" for k, _ in sim2.events)
 
 
@@ -218,7 +219,7 @@ def test_report_without_manifest_and_missing_folder(tmp_path):
     out = tmp_path / "o"
     with Observer(ObserveOptions(out_dir=out)) as obs:
         feed(obs, simulate(5, start=obs.t0, error_every=0).events)
-    saved = json.loads((out / REPORT_JSON).read_text())
+    saved = json.loads(layout.report_json_path(out).read_text())
     assert saved["totals"]["rows"] == 5 and saved["output"] is None
     with pytest.raises(FileNotFoundError, match="no such output folder"):
         report_command(tmp_path / "nope")
@@ -233,8 +234,8 @@ def test_failed_run_keeps_records_and_skips_report(tmp_path):
         with Observer(ObserveOptions(out_dir=out)) as obs:
             feed(obs, simulate(5, start=obs.t0, error_every=0).events)
             raise RuntimeError("engine died")
-    assert not (out / REPORT_JSON).exists()
-    assert pl.read_parquet(part_paths(out / ROWS_DIR)).height == 5
+    assert not layout.report_json_path(out).exists()
+    assert pl.read_parquet(part_paths(layout.rows_dir(out))).height == 5
     assert "rows 5 " in report_command(out)
 
 
@@ -327,7 +328,7 @@ def test_token_ids_decode_back_to_prompts(tmp_path):
         prompts[i], outputs[i] = prompt, doc[::-1]
         obs.on_result(i, Result(str(i), ids, out_ids, doc[::-1], "stop", len(ids), len(out_ids)))
     obs.close()
-    part = part_paths(tmp_path / "o" / "_token_ids")[0]
+    part = part_paths(layout.token_ids_dir(tmp_path / "o"))[0]
     schema = pq.read_schema(part)
     assert schema.field("prompt_token_ids").type == pa.list_(pa.int32())
     assert schema.field("output_token_ids").type == pa.list_(pa.int32())
@@ -413,8 +414,9 @@ def test_driver_row_records_count_errors_as_the_output_does(tmp_path):
 
 
 def test_driver_row_record_type_is_accepted(tmp_path):
-    run_mod = pytest.importorskip("batchinfer.run")
-    rec = run_mod.RowRecord("x", "stop", 4, 2, RequestTimes(1.0, 1.0, 1.5, 2.0), 0)
+    from batchinfer.job.summary import RowRecord
+
+    rec = RowRecord("x", "stop", 4, 2, RequestTimes(1.0, 1.0, 1.5, 2.0), 0)
     obs = Observer(ObserveOptions(out_dir=tmp_path / "o", metrics_textfile=tmp_path / "m.prom"))
     obs.on_row(rec)
     report = obs.close()
@@ -426,12 +428,12 @@ def test_fresh_output_folder_drops_old_records(tmp_path):
     out = tmp_path / "o"
     with Observer(ObserveOptions(out_dir=out, log_token_ids=True)) as obs:
         feed(obs, simulate(6, start=obs.t0, error_every=0).events)
-    assert (out / "_token_ids").is_dir()
+    assert layout.token_ids_dir(out).is_dir()
     with Observer(ObserveOptions(out_dir=out)) as obs:  # no committed part: a new job (e.g. --overwrite)
         feed(obs, simulate(2, start=obs.t0, error_every=0, ids=["new0", "new1"]).events)
-    report = json.loads((out / REPORT_JSON).read_text())
+    report = json.loads(layout.report_json_path(out).read_text())
     assert report["totals"]["rows"] == 2 and report["totals"]["runs"] == 1
-    assert not (out / "_token_ids").exists()
+    assert not layout.token_ids_dir(out).exists()
 
 
 def test_busy_metrics_port_is_named(tmp_path):

@@ -18,7 +18,7 @@ from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.request import Request, SamplingParams
 from batchinfer.io.manifest import Manifest, PartInfo
 from batchinfer.observe import ObserveOptions, Observer, read_token_ids
-from batchinfer.observe.report import REPORT_JSON
+from batchinfer.io import layout
 
 engine_mod = pytest.importorskip("batchinfer.engine.engine")
 
@@ -59,7 +59,7 @@ def test_real_engine_run(tiny_model, tmp_path):
     Manifest(out, "fp", id_column="id", parts=[PartInfo("part-000000.parquet", 11, 1)]).save()
     obs.close({"config": {"model": str(tiny_model)}})
 
-    report = json.loads((out / REPORT_JSON).read_text())
+    report = json.loads(layout.report_json_path(out).read_text())
     t = report["totals"]
     assert t["rows"] == 11 and t["errors"] == 1 and report["output"]["matches_records"]
     assert t["completion_tokens"] == sum(r.completion_tokens for r in results) == sum(3 + i % 5 for i in range(10))

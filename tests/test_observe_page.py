@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from batchinfer.observe import ObserveOptions, Observer
-from batchinfer.observe.report import REPORT_HTML
+from batchinfer.io import layout
 from test_observe import feed, simulate
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
@@ -33,7 +33,7 @@ def test_page_renders_with_all_plots_decoded(tmp_path):
     out = tmp_path / "out"
     with Observer(ObserveOptions(out_dir=out)) as obs:
         feed(obs, simulate(60, start=obs.t0, max_running=8).events)
-    page = (out / REPORT_HTML).read_text()
+    page = layout.report_html_path(out).read_text()
     assert "http://" not in page and "https://" not in page  # self-contained: nothing to fetch
     probed = tmp_path / "probed.html"
     probed.write_text(page.replace("</body>", PROBE))

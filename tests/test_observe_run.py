@@ -23,11 +23,11 @@ from typer.testing import CliRunner
 
 import batchinfer
 from batchinfer.cli import app
-from batchinfer.io.manifest import MANIFEST, Manifest
-from batchinfer.job import JobError, load_job
+from batchinfer.io import layout
+from batchinfer.io.manifest import Manifest
+from batchinfer.job.spec import JobError, load_job
 from batchinfer.observe import read_token_ids
-from batchinfer.observe.report import REPORT_HTML, REPORT_JSON
-from batchinfer.run import make_engine
+from batchinfer.job import make_engine
 from failing_engine import FailingEngine
 
 N_ROWS = 36
@@ -97,7 +97,7 @@ def write_job(tmp: Path, model: Path, n: int = N_ROWS, **engine) -> Path:
 def check_report_matches_output(out: Path) -> dict:
     """The report's totals are the output's: rows, errors, finish reasons, token sums."""
     table = pq.read_table(sorted(str(p) for p in out.glob("part-*.parquet"))).to_pylist()
-    report = json.loads((out / REPORT_JSON).read_text())
+    report = json.loads(layout.report_json_path(out).read_text())
     t = report["totals"]
     assert t["rows"] == len(table)
     assert t["errors"] == sum(r["error"] is not None for r in table)
@@ -108,7 +108,7 @@ def check_report_matches_output(out: Path) -> dict:
         reasons[r["finish_reason"]] = reasons.get(r["finish_reason"], 0) + 1
     assert t["finish_reasons"] == reasons
     assert report["output"]["matches_records"] and report["output"]["rows_without_record"] == 0
-    assert report["fingerprint"] == json.loads((out / MANIFEST).read_text())["fingerprint"]
+    assert report["fingerprint"] == json.loads(layout.manifest_path(out).read_text())["fingerprint"]
     return report
 
 
@@ -127,7 +127,7 @@ def test_cli_run_with_every_option_then_report(tiny_model, tmp_path, monkeypatch
         scraper.stop.set()
         scraper.join(timeout=10)
     assert r.exit_code == 0, r.output
-    assert f"report: {out / REPORT_HTML}" in r.output
+    assert f"report: {layout.report_html_path(out)}" in r.output
 
     # the live scrape saw the counters move during the run, never backwards
     counts = [rows_total(s) for s in scraper.seen]
@@ -159,9 +159,9 @@ def test_cli_run_with_every_option_then_report(tiny_model, tmp_path, monkeypatch
     assert final["batchinfer_tokens_total{kind=completion}"] == 6 * N_ROWS
     assert final["batchinfer_steps_total"] == report["totals"]["steps"]
 
-    # the token-id sidecar decodes back to the prompts as batchinfer.prompts renders them
+    # the token-id sidecar decodes back to the prompts as batchinfer.job.prompts renders them
     from batchinfer.models.loader import load_tokenizer
-    from batchinfer.prompts import PromptBuilder
+    from batchinfer.job.prompts import PromptBuilder
 
     spec = load_job(job)
     tok = load_tokenizer(tiny_model)
@@ -181,12 +181,12 @@ def test_cli_run_with_every_option_then_report(tiny_model, tmp_path, monkeypatch
     assert len(traces) == 1 and json.loads(traces[0].read_text())["traceEvents"]
 
     # `batchinfer report` prints the summary again and rewrites the page
-    (out / REPORT_HTML).unlink()
+    layout.report_html_path(out).delete()
     again = invoke("report", out)
     assert again.exit_code == 0, again.output
     assert f"rows {N_ROWS + 1:,} (ok {N_ROWS:,}, error 1)" in again.output
-    assert (out / REPORT_HTML).exists() and "<img" in (out / REPORT_HTML).read_text()
-    rewritten = json.loads((out / REPORT_JSON).read_text())
+    assert layout.report_html_path(out).exists() and "<img" in layout.report_html_path(out).read_text()
+    rewritten = json.loads(layout.report_json_path(out).read_text())
     assert rewritten["totals"] == report["totals"] and rewritten["config"] == report["config"]
 
     # the page renders in a real browser (headless Chromium), when one is installed
@@ -194,7 +194,7 @@ def test_cli_run_with_every_option_then_report(tiny_model, tmp_path, monkeypatch
 
     if CHROMIUM is not None:
         probed = tmp_path / "probed.html"
-        probed.write_text((out / REPORT_HTML).read_text().replace("</body>", PROBE))
+        probed.write_text(layout.report_html_path(out).read_text().replace("</body>", PROBE))
         cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
                f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom", probed.as_uri()]
         dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
@@ -238,14 +238,14 @@ def test_crash_then_resume_report_covers_both_runs(tiny_model, tmp_path, monkeyp
     port = free_port()
     with pytest.raises(RuntimeError, match="device lost"):
         batchinfer.run(job, metrics_port=port, engine_factory=lambda spec, on_step=None: FailingEngine(make_engine(spec, on_step), 9))
-    assert not (out / REPORT_JSON).exists()  # a failed run writes no report ...
+    assert not layout.report_json_path(out).exists()  # a failed run writes no report ...
     with socket.socket() as s:  # ... and frees its metrics port
         s.bind(("127.0.0.1", port))
     committed = sum(p.rows for p in Manifest.load(out).parts)
     assert 0 < committed < 15
     first_ids = set(pq.read_table(sorted(str(p) for p in out.glob("part-*.parquet"))).column("doc_id").to_pylist())
     s = batchinfer.run(job, log_token_ids=True)
-    assert s.this_run_rows == 15 - committed and s.report_path == str(out / REPORT_HTML)
+    assert s.this_run_rows == 15 - committed and s.report_path == str(layout.report_html_path(out))
     report = check_report_matches_output(out)
     assert report["totals"]["rows"] == 15 and report["totals"]["runs"] == 2
     assert report["run"]["summary"]["this_run_rows"] == 15 - committed

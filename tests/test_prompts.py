@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchinfer.job import JobError, PromptSpec
-from batchinfer.prompts import PromptBuilder, RowError
+from batchinfer.job.spec import JobError, PromptSpec
+from batchinfer.job.prompts import PromptBuilder, RowError
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import batchinfer
-from batchinfer.io.manifest import MANIFEST, REJECTS
+from batchinfer.io import layout
 from batchinfer.io.readers import InputError
-from batchinfer.job import JobError
-from batchinfer.run import make_engine, run
+from batchinfer.job.spec import JobError
+from batchinfer.job import make_engine, run_job as run
 from failing_engine import FailingEngine
 
 WORDS = "invoice total date customer alpha beta gamma one two three".split()
@@ -69,7 +69,7 @@ def test_parquet_shards_glob_exactly_once(tiny_model, tmp_path, engines):
     assert set(df["finish_reason"].to_list()) <= {"stop", "length"} and df["error"].null_count() == 15
     assert (df["completion_tokens"] <= 4).all() and (df["prompt_tokens"] > 0).all()
     assert summary.this_run_rows == 15 and summary.error_rate == 0.0 and summary.rows_done == 15
-    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["rows"] == 15
+    assert json.loads(layout.manifest_path(tmp_path / "out").read_text())["rows"] == 15
     again = run(job(tiny_model, tmp_path, str(tmp_path / "in")), engine_factory=engines)
     assert again.nothing_to_do and "nothing to do" in again.describe()
     # new shards arrive: only they are done
@@ -94,7 +94,7 @@ def test_jsonl_bad_rows_and_rejects(tiny_model, tmp_path, engines):
     assert "template column 'text' is null" in errs[101]
     assert "not a string or number" in errs[102]
     assert df.filter(pl.col("doc_id") >= 100)["finish_reason"].to_list() == ["error"] * 3
-    rejects = [json.loads(x) for x in (tmp_path / "out" / REJECTS).read_text().splitlines()]
+    rejects = [json.loads(x) for x in layout.rejects_path(tmp_path / "out").read_text().splitlines()]
     assert [(r["line"], r["text"][:8]) for r in rejects] == [(4, "this is "), (5, "[1, 2]"), (6, '{"text":')]
     assert all(r["file"].endswith("a.jsonl") and r["reason"] for r in rejects)
     assert s.rejects == 3 and s.error_rows == 3 and s.error_rate == pytest.approx(6 / 12)
@@ -137,13 +137,42 @@ def test_changed_job_is_refused_unless_overwrite(tiny_model, tmp_path, engines):
     assert run(job(tiny_model, tmp_path, str(tmp_path / "in.parquet"), prompt={"template": "Other: {{ text }}"}, engine={"max_num_seqs": 4}), engine_factory=engines).nothing_to_do
 
 
+class NeverRuns:
+    """An engine stand-in for runs that must stop before any row reaches an engine."""
+
+    def __init__(self, spec, on_step=None):
+        self.started = True
+
+    def generate(self, requests):
+        raise AssertionError("no row may reach the engine")
+
+
+def test_a_duplicate_id_found_while_the_engine_loads_stops_the_run_before_any_row(tiny_model, tmp_path):
+    # a fresh output: the id scan runs on a thread while the engine loads; its error comes before any row
+    pq.write_table(pa.Table.from_pylist(docs(3) + docs(1, 1)), tmp_path / "dup.parquet")
+    with pytest.raises(InputError, match=r"duplicate id '1'.*dup.parquet line 2.*dup.parquet line 4"):
+        run(job(tiny_model, tmp_path, str(tmp_path / "dup.parquet")), engine_factory=NeverRuns)
+    assert not list((tmp_path / "out").glob("part-*.parquet"))
+
+
+def test_a_resumed_job_checks_its_ids_before_loading_an_engine(tiny_model, tmp_path, engines):
+    pq.write_table(pa.Table.from_pylist(docs(3)), tmp_path / "a.parquet")
+    run(job(tiny_model, tmp_path, str(tmp_path / "*.parquet")), engine_factory=engines)
+    pq.write_table(pa.Table.from_pylist(docs(1, 2)), tmp_path / "b.parquet")  # id 2 again
+
+    def no_engine(spec, on_step=None):
+        raise AssertionError("the engine must not start")
+
+    with pytest.raises(InputError, match="duplicate id '2'"):
+        run(job(tiny_model, tmp_path, str(tmp_path / "*.parquet")), engine_factory=no_engine)
+    (tmp_path / "b.parquet").unlink()
+    assert run(job(tiny_model, tmp_path, str(tmp_path / "*.parquet")), engine_factory=no_engine).nothing_to_do
+
+
 def test_whole_job_problems_are_refused_before_the_engine(tiny_model, tmp_path):
     def no_engine(spec, on_step=None):
         raise AssertionError("the engine must not start")
 
-    pq.write_table(pa.Table.from_pylist(docs(3) + docs(1, 1)), tmp_path / "dup.parquet")
-    with pytest.raises(InputError, match=r"duplicate id '1'.*dup.parquet line 2.*dup.parquet line 4"):
-        run(job(tiny_model, tmp_path, str(tmp_path / "dup.parquet")), engine_factory=no_engine)
     with pytest.raises(InputError, match="no id column 'doc_id'"):
         pq.write_table(pa.table({"x": [1]}), tmp_path / "noid.parquet")
         run(job(tiny_model, tmp_path, str(tmp_path / "noid.parquet")), engine_factory=no_engine)

@@ -1,4 +1,6 @@
-"""kill -9 at several moments, then resume: every input id exactly once (subprocess CLI runs)."""
+"""kill -9 at several moments, then resume: every input id exactly once (subprocess CLI runs), and
+every reader of the output folder (pyarrow, polars, DuckDB, pandas) reads exactly the committed rows
+after each kill and after the resume."""
 
 from __future__ import annotations
 
@@ -15,14 +17,17 @@ import polars as pl
 import pyarrow.parquet as pq
 import yaml
 
-from batchinfer.io.manifest import MANIFEST
+from batchinfer.io import layout
+from output_readers import assert_every_reader_sees
 
 N_ROWS = 90
+COLUMNS = ["doc_id", "output_text", "finish_reason", "prompt_tokens", "completion_tokens", "error",
+           "queue_wait_s", "ttft_s", "decode_s"]
 
 
 def committed_parts(out: Path) -> int:
     try:
-        return len(json.loads((out / MANIFEST).read_text())["parts"])
+        return len(json.loads(layout.manifest_path(out).read_text())["parts"])
     except (OSError, ValueError, KeyError):
         return 0
 
@@ -67,13 +72,20 @@ def test_sigkill_at_several_points_then_resume_exactly_once(tiny_model, tmp_path
         p.wait()
         ids = part_ids(out)
         assert len(ids) == len(set(ids)), "a committed part duplicated a row"
+        if ids:  # the folder holds whole parts only, whatever the kill interrupted
+            assert_every_reader_sees(out, "doc_id", ids, COLUMNS)
     assert 4 <= committed_parts(out) < N_ROWS // 3 - 5, "the kills did not land mid-run"
     done = subprocess.run([sys.executable, "-m", "batchinfer.cli", "run", str(job), "-q"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])  # stdout is a pipe: the summary as a JSON line
+    assert summary["status"] == "done" and summary["rows_done"] == N_ROWS and summary["exit_code"] == 0
+    assert "done:" in done.stderr  # the human summary
     df = pl.read_parquet(out / "*.parquet")
     assert sorted(df["doc_id"].to_list()) == [r["doc_id"] for r in rows]  # every id exactly once
-    assert json.loads((out / MANIFEST).read_text())["rows"] == N_ROWS
-    assert not [f for f in out.iterdir() if f.name.startswith(("_tmp", "."))]
-    from batchinfer.run import run
+    assert_every_reader_sees(out, "doc_id", [r["doc_id"] for r in rows], COLUMNS)
+    assert json.loads(layout.manifest_path(out).read_text())["rows"] == N_ROWS
+    assert [f.name for f in out.iterdir() if not f.name.startswith("part-")] == []
+    assert not layout.tmp_dir(out).files()
+    from batchinfer.job import run_job as run
 
     assert run(job).nothing_to_do

@@ -18,15 +18,9 @@ import torch
 from batchinfer.structured.arrow import arrow_type_for_schema, to_arrow_value
 from batchinfer.structured.base import Constraint, GrammarError
 from batchinfer.structured.bitmask import allocate_token_bitmask, apply_token_bitmask_, unpack_bitmask
-from batchinfer.structured.compiler import (
-    CompileLimits,
-    GrammarCompiler,
-    check_constraint,
-    load_json_schema,
-    outlines_unsupported,
-    truncation_error,
-)
-from batchinfer.structured.outlines_backend import OutlinesLimits
+from batchinfer.structured.compiler import GrammarCompiler, check_constraint, truncation_error
+from batchinfer.structured.outlines_backend import OutlinesLimits, outlines_unsupported
+from batchinfer.structured.registry import CompileLimits
 from batchinfer.structured.validate import validate_output
 from batchinfer.structured.vocab import vocab_from_hf, vocab_from_qwen_tiktoken
 
@@ -247,7 +241,7 @@ def test_fill_threads_size_the_pools_and_the_prototypes(tokenizer):
     """GrammarCompiler(fill_threads=N): llguidance's pool has N threads and each grammar N matcher
     prototypes, handed out in turn; fills and accepts still match one row at a time."""
     comp = GrammarCompiler(tokenizer, VOCAB, "llguidance", fill_threads=3)
-    assert comp._backend("llguidance").fill_threads() == 3
+    assert comp.backend("llguidance").fill_threads() == 3
     g = comp.compile(Constraint.regex("[a-c]{1,4}"))
     assert g.groups == 3
     ms = [g.new_matcher() for _ in range(7)]
@@ -334,19 +328,6 @@ def test_disk_cache_round_trip(tokenizer, tmp_path):
         GrammarCompiler(tokenizer, VOCAB, backend, cache_dir=tmp_path).compile(c)
 
 
-def test_load_json_schema(tmp_path):
-    (tmp_path / "s.json").write_text('{"type": "string"}')
-    assert load_json_schema("s.json", tmp_path) == {"type": "string"}
-    assert load_json_schema('{"type": "integer"}') == {"type": "integer"}
-    with pytest.raises(GrammarError, match="missing.json"):
-        load_json_schema("missing.json", tmp_path)
-    with pytest.raises(GrammarError, match="not valid JSON"):
-        load_json_schema("{nope")
-
-
-# --- validation ------------------------------------------------------------------------------
-
-
 def test_validate_output_names_path_and_validator():
     c = Constraint.json_schema({"type": "object", "properties": {"items": {"type": "array", "items": {
         "type": "object", "properties": {"age": {"type": "integer", "maximum": 120}}}}}})
@@ -387,3 +368,68 @@ def test_property_order_is_the_schema_order(compilers):
     c = Constraint.json_schema(schema)
     text, _ = walk(compilers["auto"], compilers["auto"].compile(c), np.random.default_rng(0), cap=100)
     assert text == '{"reasoning":"r","answer":"a"}'
+
+
+# --- the backend interface ------------------------------------------------------------------
+
+
+def test_every_backend_implements_the_whole_interface(compilers):
+    """What callers use of a backend is declared in structured/base.py; each one has all of it, and
+    its matchers name the backend that batches them."""
+    from batchinfer.structured.registry import BACKENDS, VARIANTS
+
+    comp = compilers["auto"]
+    c = Constraint.choice(["ab", "cd"])
+    for name in (*BACKENDS, *VARIANTS):
+        b = comp.backend(name)
+        assert b.name == name and isinstance(b.fills_in_background, bool)
+        assert b.library is None or isinstance(b.library, str)
+        for method in ("supports", "compile", "deserialize", "fill_rows", "finish_rows", "accept_tokens"):
+            assert callable(getattr(b, method)), (name, method)
+        assert b.supports(c) is None
+        m = b.compile(c).new_matcher()
+        assert comp.backend(m.backend) is not None
+        for method in ("fill_next_token_bitmask", "accept_token", "is_terminated", "rollback"):
+            assert callable(getattr(m, method)), (name, method)
+
+
+def test_a_backend_says_what_it_will_not_compile_as_a_fallback(compilers):
+    """outlines-core steps aside in auto where it would not enforce the schema; asked by name it tries."""
+    outlines = compilers["outlines"].backend("outlines")
+    c = Constraint.json_schema({"type": "integer", "minimum": 3})
+    assert outlines.supports(c, fallback=True) == "outlines-core does not enforce minimum"
+    assert outlines.supports(c) is None
+    big = Constraint.json_schema({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(60)}})
+    assert "too complex" in outlines.supports(big, fallback=True)
+
+
+class _CountingBackend:
+    """A backend that counts the batch calls it gets and passes them on."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def fill_rows(self, matchers, bitmask, indices):
+        self.calls.append(("fill", len(matchers)))
+        self.inner.fill_rows(matchers, bitmask, indices)
+
+    def accept_tokens(self, matchers, tokens):
+        self.calls.append(("accept", len(matchers)))
+        return self.inner.accept_tokens(matchers, tokens)
+
+
+def test_batch_calls_go_to_the_backend_the_matcher_names(compilers):
+    """The compiler groups matchers by GrammarMatcher.backend, one call per backend per step, whatever
+    the matcher's class."""
+    real = compilers["outlines"].backend("outlines")
+    counting = _CountingBackend(real)
+    comp = GrammarCompiler(compilers["auto"].vocab, VOCAB, "outlines", shared_backends={"outlines": counting})
+    g = comp.compile(Constraint.choice(["ab", "cd"]))
+    ms = [g.new_matcher() for _ in range(3)]
+    v = comp.vocab
+    assert comp.accept_tokens(ms, [v.encode("ab")[0]] * 3) == [True] * 3
+    comp.fill_next_token_bitmasks(ms, allocate_token_bitmask(3, VOCAB), [0, 1, 2])
+    assert counting.calls == [("accept", 3), ("fill", 3)]

@@ -1,4 +1,4 @@
-"""Attention backends by name: `get_attention_backend(name, device)`.
+"""Attention backends by name: `get_attention_backend(name, device, gqa_group)`.
 
 BACKENDS maps a name to a factory that imports its module only when called, so a GPU backend's
 dependencies (triton) are never imported on a machine that does not use them.
@@ -11,22 +11,22 @@ from typing import Callable
 
 import torch
 
-from batchinfer.attention.base import AttentionBackend, AttentionMetadata
+from batchinfer.attention.base import AttentionBackend, AttentionMetadata, GraphBuffers
 
 
-def _torch_backend(device: torch.device) -> AttentionBackend:
+def _torch_backend(device: torch.device, gqa_group: int) -> AttentionBackend:
     from batchinfer.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
 
 
-def _triton_backend(device: torch.device) -> AttentionBackend:
+def _triton_backend(device: torch.device, gqa_group: int) -> AttentionBackend:
     from batchinfer.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend()
+    return TritonAttentionBackend(gqa_group=gqa_group)
 
 
-BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
+BACKENDS: dict[str, Callable[[torch.device, int], AttentionBackend]] = {
     "torch": _torch_backend,
     "triton": _triton_backend,
 }
@@ -36,22 +36,23 @@ BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
 AUTO_GPU_ORDER = ("triton", "torch")
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """Build the backend `name` (or "auto") for `device`. Unknown names raise ValueError listing the known ones."""
+def get_attention_backend(name: str, device: torch.device | str, gqa_group: int = 1) -> AttentionBackend:
+    """Build the backend `name` (or "auto") for `device` and a model with `gqa_group` query heads per
+    KV head. Unknown names raise ValueError listing the known ones."""
     device = torch.device(device)
     if name == "auto":
         if device.type == "cpu":
-            return BACKENDS["torch"](device)
+            return BACKENDS["torch"](device, gqa_group)
         for candidate in AUTO_GPU_ORDER:
             if candidate in BACKENDS:
                 try:
-                    return BACKENDS[candidate](device)
+                    return BACKENDS[candidate](device, gqa_group)
                 except ImportError:
                     continue
         raise RuntimeError(f"no attention backend could be built for {device}")
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name](device)
+    return BACKENDS[name](device, gqa_group)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "GraphBuffers", "get_attention_backend"]

@@ -1,24 +1,33 @@
-"""The attention-backend interface between the model runner and the models.
+"""The attention-backend interface between the model runner and the models: step metadata, graph buffers.
 
-Layout of one forward step (the model runner builds it, models pass it to every attention layer):
-tokens of all sequences are packed into one flat batch of T tokens; sequence b owns the query
-tokens query_start_loc[b]:query_start_loc[b+1], which are the last positions of its context
-of seq_lens[b] tokens (a prefill chunk, or one decode token). Its KV lives in the paged cache
-at blocks block_tables[b, :ceil(seq_lens[b]/block_size)].
+Layout of one forward step (the backend builds it from the runner's host arrays, models pass it to
+every attention layer): tokens of all sequences are packed into one flat batch of T tokens;
+sequence b owns the query tokens query_start_loc[b]:query_start_loc[b+1], which are the last
+positions of its context of seq_lens[b] tokens (a prefill chunk, or one decode token). Its KV lives
+in the paged cache at blocks block_tables[b, :ceil(seq_lens[b]/block_size)].
 
 KV cache per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
 The slot of a token is block_id * block_size + offset_in_block; slot_mapping[t] is where token
 t's K and V are written (-1: do not write, e.g. padding in a CUDA graph).
+
+A backend owns everything about its metadata: `build_metadata` turns a step's host arrays into an
+AttentionMetadata (with whatever extra fields its kernels read), `graph_safe` says whether its
+forward may be captured in a CUDA graph, and `graph_buffers` gives the static buffers (and the
+staging of a step into them) that such graphs read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 import torch
+
+ToDevice = Callable[[np.ndarray], torch.Tensor]  # one host->device copy (the runner's: pinned, non-blocking)
+ALIGN_BYTES = 16
 
 
 @dataclass
@@ -32,10 +41,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # host copies, for backends that loop on the host
     seq_lens_cpu: list[int]
     decode_only: bool  # every query length is 1
-    # Set by the model runner for backends that ask for them (extend_tile_tokens not None), in steps
-    # that are not decode-only: q rows 0..num_decode_rows-1 are one-token sequences for the decode
-    # kernel, over contexts decode_seq_lens (0: padding row of a CUDA graph); extend_tiles is the
-    # extend kernel's tile map (int32 [2, n], kernels.extend_attention.extend_tile_map) of the rest.
+    # Set by backends whose kernels read them (triton's build_metadata), in steps that are not
+    # decode-only: q rows 0..num_decode_rows-1 are one-token sequences for the decode kernel, over
+    # contexts decode_seq_lens (0: padding row of a CUDA graph); extend_tiles is the extend kernel's
+    # tile map (int32 [2, n], kernels.extend_attention.extend_tile_map) of the rest.
     num_decode_rows: int = 0
     decode_seq_lens: torch.Tensor | None = None
     extend_tiles: torch.Tensor | None = None
@@ -51,14 +60,50 @@ class AttentionMetadata:
         return leading_single_count(self.query_lens_cpu)
 
 
+class GraphBuffers(Protocol):
+    """A backend's static metadata buffers for a set of CUDA graphs, one graph per ladder size.
+
+    A graph of `size` is captured reading meta(size); before a replay, stage() copies a step's
+    metadata into the buffers (device-side copies, no host sync) and pads what lies past the step
+    so the padded rows write nothing and attend over nothing.
+    """
+
+    def meta(self, size: int) -> AttentionMetadata:
+        """The metadata (views of the static buffers) a graph of `size` tokens is captured with."""
+        ...
+
+    def fits(self, meta: AttentionMetadata) -> bool:
+        """Whether a step's metadata can be staged into these buffers."""
+        ...
+
+    def stage(self, meta: AttentionMetadata, num_tokens: int, size: int) -> None:
+        """Copy a step of num_tokens tokens into the buffers of the graph of `size` (>= num_tokens)."""
+        ...
+
+
 class AttentionBackend(Protocol):
     """Writes the new K/V into the paged cache and attends over each sequence's context."""
 
     name: str
+    graph_safe: bool  # forward has no host syncs and fixed launch shapes per graph buffers: capturable
 
-    def extend_tile_tokens(self, num_heads: int, num_kv_heads: int) -> int | None:
-        """Query tokens per extend tile, if the backend wants the runner to build tile maps
-        (AttentionMetadata.extend_tiles); None if it does not."""
+    def build_metadata(
+        self,
+        query_lens: np.ndarray,  # int64 [B]: new tokens per sequence this step
+        seq_lens: np.ndarray,  # int64 [B]: context length after this step
+        block_tables: np.ndarray,  # int32 [B, W]
+        slot_mapping: torch.Tensor,  # int64 [T] on the device
+        to_device: ToDevice,
+    ) -> AttentionMetadata:
+        """The metadata of one packed step (its device arrays in one host->device copy)."""
+        ...
+
+    def graph_buffers(
+        self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, decode_only: bool, device: torch.device
+    ) -> GraphBuffers:
+        """Static buffers for graphs of decode-only steps (size = batch size, at most max_seqs) or of
+        any steps (size = padded token count, at most max_tokens, of at most max_seqs sequences).
+        Only for graph_safe backends."""
         ...
 
     def forward(
@@ -84,18 +129,51 @@ def leading_single_count(query_lens) -> int:
     return n
 
 
-def extend_tile_map(query_lens, first_seq: int, block_m: int, size: int | None = None) -> np.ndarray:
-    """int32 [2, n]: (sequence, query tile) of every tile of sequences first_seq.. with block_m tokens
-    per tile; padded with -1 to `size` columns when given (a CUDA graph's fixed grid)."""
-    lens = np.asarray(query_lens, dtype=np.int64)[first_seq:]
-    counts = -(-lens // block_m)
-    n = int(counts.sum())
-    width = n if size is None else size
-    if width < n:
-        raise ValueError(f"{n} extend tiles do not fit a map of {size}")
-    tiles = np.full((2, width), -1, dtype=np.int32)
-    seq = np.repeat(np.arange(first_seq, first_seq + len(lens)), counts)
-    starts = np.cumsum(counts) - counts
-    tiles[0, :n] = seq
-    tiles[1, :n] = np.arange(n) - np.repeat(starts, counts)
-    return tiles
+def concat_aligned(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """Concatenate same-dtype arrays, each starting at a multiple of 16 bytes; returns the buffer and
+    each part's start. Triton specialises kernels on 16-byte pointer alignment, so unaligned views
+    into one packed buffer (their alignment changing with the step's token count) would compile a
+    kernel variant in the middle of a run (measured: ~1 s each, BENCHMARKS.md)."""
+    per = max(1, ALIGN_BYTES // parts[0].dtype.itemsize)
+    starts, pos = [], 0
+    for p in parts:
+        starts.append(pos)
+        pos += -(-len(p) // per) * per
+    out = np.zeros(pos, dtype=parts[0].dtype)
+    for p, s in zip(parts, starts):
+        out[s : s + len(p)] = p
+    return out, starts
+
+
+def pack_metadata(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    slot_mapping: torch.Tensor,
+    to_device: ToDevice,
+    extra: Sequence[np.ndarray] = (),
+) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+    """The common metadata of a packed step, its int32 arrays (query starts, context lengths, block
+    tables, then `extra`, each 16-byte aligned) in ONE host->device copy; returns it and the device
+    views of the extra arrays (flat) for the backend's own fields."""
+    nb, width = block_tables.shape
+    cu = np.zeros(nb + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=cu[1:])
+    parts = [cu.astype(np.int32), seq_lens.astype(np.int32), block_tables.ravel(), *extra]
+    ints_np, at = concat_aligned(parts)
+    ints = to_device(ints_np)
+    lens_list = query_lens.tolist()
+    seq_lens_list = seq_lens.tolist()
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=ints[at[0] : at[0] + nb + 1],
+        seq_lens=ints[at[1] : at[1] + nb],
+        block_tables=ints[at[2] : at[2] + nb * width].view(nb, width),
+        max_query_len=max(lens_list),
+        max_seq_len=max(seq_lens_list),
+        query_lens_cpu=lens_list,
+        seq_lens_cpu=seq_lens_list,
+        decode_only=bool((query_lens == 1).all()),
+    )
+    views = [ints[at[3 + i] : at[3 + i] + len(p)] for i, p in enumerate(extra)]
+    return meta, views

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchinfer.attention.base import AttentionMetadata
+from batchinfer.attention.base import AttentionMetadata, GraphBuffers, ToDevice, pack_metadata
 
 TILE_ROWS = 256  # query rows per prefill tile (bounds a group's score matrix)
 MAX_PADDING = 2.0  # a group's padded work may be at most this times its real work ...
@@ -146,13 +146,11 @@ class TorchAttentionBackend:
     """AttentionBackend in plain PyTorch (any device; used on CPU)."""
 
     name = "torch"
+    graph_safe = False  # loops over sequences on the host (query_lens_cpu): nothing to capture
 
     def __init__(self) -> None:
         # The plan of the step being run (all layers share one AttentionMetadata): (meta, key, groups).
         self._plan: tuple[AttentionMetadata, tuple, list[_Group]] | None = None
-
-    def extend_tile_tokens(self, num_heads: int, num_kv_heads: int) -> int | None:
-        return None  # plans its own tiles on the host: no tile map from the runner
 
     def _groups(self, meta: AttentionMetadata, block_size: int, group: int, device, dtype) -> list[_Group]:
         key = (block_size, group, device, dtype)
@@ -162,6 +160,14 @@ class TorchAttentionBackend:
         groups = [_build_group(g, tables, block_size, group, device, dtype) for g in _group_tiles(_tiles(meta))]
         self._plan = (meta, key, groups)
         return groups
+    def build_metadata(
+        self, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+        slot_mapping: torch.Tensor, to_device: ToDevice,
+    ) -> AttentionMetadata:
+        return pack_metadata(query_lens, seq_lens, block_tables, slot_mapping, to_device)[0]
+
+    def graph_buffers(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, decode_only: bool, device) -> GraphBuffers:
+        raise NotImplementedError("the torch attention backend is not graph-safe (it loops on the host)")
 
     def forward(
         self,

@@ -2,6 +2,7 @@
 
 `grammar`: grammar backends on MaskBench files; `throughput`: a named workload against its roofline;
 `cpu`: our engine against transformers `generate` on real-text prompts on the CPU.
+`job`: the whole `batchinfer run` by the wall clock against the engine alone on the same prompt ids.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from typing import Optional
 
 import typer
 
-bench_app = typer.Typer(help="Benchmarks: grammar backends (MaskBench), throughput.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: grammar backends (MaskBench), throughput, the whole job.", no_args_is_help=True, rich_markup_mode=None)
 
 
 @bench_app.callback()
 def bench() -> None:
-    """Benchmarks: grammar backends (MaskBench), throughput."""
+    """Benchmarks: grammar backends (MaskBench), throughput, the whole job."""
 
 
 @bench_app.command("grammar")
@@ -56,6 +57,11 @@ def throughput(
     grammar_threads: Optional[int] = typer.Option(None, "--grammar-threads", help="Threads that fill grammar masks."),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="torch's CPU threads (default: 1 on a GPU)."),
     profile_dir: Optional[Path] = typer.Option(None, "--profile-dir", help="Profile a few steps of the measured run into this folder."),
+    speculative: Optional[str] = typer.Option(
+        None, "--speculative", help="ngram | grammar | ngram+grammar | oracle (drafts = a recorded plain run's output)."
+    ),
+    spec_tokens: int = typer.Option(4, "--spec-tokens", help="Most draft tokens per sequence and step."),
+    oracle_corrupt: float = typer.Option(0.0, "--oracle-corrupt", help="With --speculative oracle: share of draft tokens corrupted."),
 ) -> None:
     """Run a named workload; print throughput next to the workload's roofline floor on this device."""
     import logging
@@ -82,7 +88,10 @@ def throughput(
         if v is not None
     }
     try:
-        result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir)
+        if speculative is not None and data_parallel not in (None, 1):
+            raise ValueError("--speculative runs with one engine (no --data-parallel)")
+        result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir,
+                                speculative=speculative, spec_tokens=spec_tokens, oracle_corrupt=oracle_corrupt)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -122,3 +131,45 @@ def cpu(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         typer.echo(f"numbers written to {out}")
+@bench_app.command("job")
+def job(
+    model: str = typer.Option("qwen3-0.6b", "--model", help="A shape (qwen3-0.6b, qwen2.5-1.5b, qwen2.5-7b, llama-3.1-8b: random weights) or a model folder."),
+    docs: int = typer.Option(2000, "--docs", help="Documents to generate."),
+    shards: int = typer.Option(4, "--shards", help="Parquet shards to spread them over."),
+    min_tokens: int = typer.Option(500, "--min-tokens", help="Shortest document (tokens, approximate)."),
+    max_tokens: int = typer.Option(3000, "--max-tokens", help="Longest document (tokens, approximate)."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", help="sampling.max_tokens of the job."),
+    seed: int = typer.Option(0, "--seed", help="Corpus seed (the same arguments always give the same documents)."),
+    schema: bool = typer.Option(True, "--schema/--no-schema", help="Constrain answers by the benchmark's JSON schema."),
+    grammar_backend: Optional[str] = typer.Option(None, "--grammar-backend", help="structured.backend of the job."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="Override a job field (key.path=value), e.g. engine.max_num_seqs=128."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Folder for the job file and its output (default: a temp folder)."),
+    progress_interval: float = typer.Option(10.0, "--progress-interval", help="Seconds between the run's progress lines."),
+    engine_alone: bool = typer.Option(True, "--engine-alone/--no-engine-alone", help="Also run the engine alone on the same prompt ids."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the numbers as JSON here."),
+) -> None:
+    """Generate Parquet shards of prose, run `batchinfer run` on them (a subprocess, by the wall clock), then the
+    engine alone on the same prompt ids; print throughput, the ratio and where the run's time went."""
+    import logging
+
+    from batchinfer.bench.corpus import CorpusSpec
+    from batchinfer.bench.job import JobBench, format_job_report, run_job_bench, write_json
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        bench_spec = JobBench(
+            model=model, corpus=CorpusSpec(docs, shards, min_tokens, max_tokens, seed), max_new_tokens=max_new_tokens,
+            schema=schema, grammar_backend=grammar_backend, overrides=tuple(set_ or ()), workdir=workdir,
+            progress_interval=progress_interval, engine_alone=engine_alone,
+        )
+        result = run_job_bench(bench_spec)
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from e
+    typer.echo(format_job_report(result))
+    if json_out is not None:
+        write_json(result, json_out)
+        typer.echo(f"numbers written to {json_out}")

@@ -109,6 +109,9 @@ def run_throughput(
     profile_dir: Path | None = None,
     shard: tuple[int, int] | None = None,
     before_measure=None,
+    speculative: str | None = None,
+    spec_tokens: int = 4,
+    oracle_corrupt: float = 0.0,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
 
@@ -117,6 +120,11 @@ def run_throughput(
 
     profile_dir (or the BATCHINFER_PROFILE_DIR variable): profile a few steps of the measured run
     (after BATCHINFER_PROFILE_START steps, default 60) into that folder.
+
+    speculative: ngram | grammar | ngram+grammar | oracle (engine.speculative with spec_tokens drafts);
+    oracle: the workload runs plain once (untimed, its own engine) to record every request's output,
+    then the measured run drafts that output with a share oracle_corrupt of draft tokens corrupted
+    (bench/oracle.py).
     """
     from batchinfer.engine.engine import Engine
 
@@ -129,6 +137,14 @@ def run_throughput(
     cfg = EngineConfig(model=folder, dtype="bfloat16" if cuda else "float32", load_format=load_format)
     if engine_overrides:
         cfg = replace(cfg, **engine_overrides)
+    drafter = None
+    if speculative is not None:
+        if speculative not in ("ngram", "grammar", "ngram+grammar", "oracle"):
+            raise ValueError(f"--speculative must be ngram, grammar, ngram+grammar or oracle, not {speculative!r}")
+        if speculative == "oracle":
+            drafter = _record_oracle(cfg, workload, scale, shard, spec_tokens, oracle_corrupt)
+        method = "ngram+grammar" if speculative == "oracle" else speculative
+        cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens})
     steps: list = []
     profiler: StepWindowProfiler | None = None
 
@@ -138,7 +154,7 @@ def run_throughput(
             profiler.on_step(stats)
 
     t_load = time.perf_counter()
-    engine = Engine(cfg, on_step=on_step)
+    engine = Engine(cfg, on_step=on_step, drafter=drafter)
     load_s = time.perf_counter() - t_load
     info = engine.model_info
     wl = make_workload(workload, info.vocab_size, scale=scale)
@@ -175,11 +191,7 @@ def run_throughput(
     layer_params, all_params = info.num_layer_params, info.num_params
     dtype_bytes = torch.finfo(info.dtype).bits // 8
     kv_per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
-    if cuda:
-        free, total = torch.cuda.mem_get_info()
-        kv_capacity = int((total * 0.9 - all_params * dtype_bytes) // kv_per_token)
-    else:
-        kv_capacity = int(cfg.kv_cache_gib * (1 << 30) // kv_per_token)
+    kv_capacity = engine.runner.num_blocks * cfg.block_size  # as sized by engine/kv_budget.py
     floor = workload_floor(
         prompt_lens,
         out_lens,
@@ -236,10 +248,36 @@ def run_throughput(
         "step_ms_mean": statistics.fmean(step_ms) if step_ms else None,
         "cpu_share_of_step": (sum(cpu_ms) / sum(step_ms)) if cpu_ms and step_ms and sum(step_ms) > 0 else None,
         "step_breakdown": breakdown,
+        "speculative": spec_summary(steps) if cfg.speculative is not None else None,
+        "oracle_corrupt": oracle_corrupt if speculative == "oracle" else None,
         "kernels_compiled_during_run": compiled,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def _record_oracle(cfg: EngineConfig, workload: str, scale: float, shard, spec_tokens: int, corrupt: float):
+    """Run the workload plain (speculation off) and return an oracle drafter of its outputs."""
+    from batchinfer.bench.oracle import oracle_drafter
+    from batchinfer.engine.engine import Engine
+
+    with Engine(replace(cfg, speculative=None)) as plain:
+        wl = make_workload(workload, plain.model_info.vocab_size, scale=scale)
+        if shard is not None:
+            wl = replace(wl, requests=wl.requests[shard[0] :: shard[1]])
+        truth = {r.request_id: r.output_token_ids for r in plain.generate(wl.requests)}
+        vocab = plain.model_info.vocab_size
+    return oracle_drafter(truth, corrupt, vocab)
+
+
+def spec_summary(steps) -> dict:
+    """Speculative decoding totals over the measured steps (StepStats spec_*)."""
+    keys = ("drafted", "verified", "accepted", "rows", "decode_rows", "emitted")
+    tot = {k: sum(getattr(s, f"spec_{k}", 0) for s in steps) for k in keys}
+    tot["acceptance"] = tot["accepted"] / tot["verified"] if tot["verified"] else None
+    tot["mean_accepted_per_seq_step"] = tot["accepted"] / tot["rows"] if tot["rows"] else None
+    tot["tokens_per_seq_per_forward"] = tot["emitted"] / tot["decode_rows"] if tot["decode_rows"] else None
+    return tot
 
 
 STEP_BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 1 << 30))
@@ -265,13 +303,14 @@ def step_breakdown(
     """
     groups: dict[str, dict] = {}
     for s in steps:
-        rows = s.num_decode_tokens
+        rows = s.num_decode_tokens  # tokens of decoding rows (with drafts: more than the rows)
         if not rows and not s.num_prefill_tokens:
             continue  # a step that only drained the previous one's results
         if s.num_prefill_tokens:
             key = "prefill/mixed"
         else:
-            lo, hi = next(b for b in STEP_BUCKETS if b[0] <= rows <= b[1])
+            seqs = getattr(s, "spec_decode_rows", 0) or rows
+            lo, hi = next(b for b in STEP_BUCKETS if b[0] <= seqs <= b[1])
             key = f"decode {lo}-{hi} rows" if hi < (1 << 30) else f"decode {lo}+ rows"
         g = groups.setdefault(key, {"steps": 0, "ms": 0.0, "max_ms": 0.0, "floor_ms": 0.0, "tokens": 0, "kv_tokens": 0,
                                     "idle_ms": 0.0, "phases": {}})
@@ -319,6 +358,15 @@ def format_report(r: dict) -> str:
         lines.append(
             f"steps {r['steps']} (decode-only {r['decode_steps']}), mean step {r['step_ms_mean']:.2f} ms, "
             f"CPU scheduling {r['cpu_schedule_ms_mean']:.3f} ms = {100 * r['cpu_share_of_step']:.1f}% of step time"
+        )
+    sp = r.get("speculative")
+    if sp:
+        fmt = lambda x, p="": "n/a" if x is None else f"{x:.2f}{p}"  # noqa: E731
+        lines.append(
+            f"speculative: drafted {sp['drafted']:,}, verified {sp['verified']:,}, accepted {sp['accepted']:,} "
+            f"(acceptance {fmt(sp['acceptance'])}); mean accepted per sequence-step {fmt(sp['mean_accepted_per_seq_step'])}; "
+            f"tokens per sequence per forward {fmt(sp['tokens_per_seq_per_forward'])}"
+            + (f"; oracle corrupt {r['oracle_corrupt']}" if r.get("oracle_corrupt") is not None else "")
         )
     if r.get("kernels_compiled_during_run"):
         lines.append("Triton kernels compiled during the measured run (each costs ~1 s): "
@@ -378,7 +426,7 @@ def run_throughput_data_parallel(
     """
     import multiprocessing as mp
 
-    from batchinfer.executors.data_parallel import visible_gpus
+    from batchinfer.job.executors.data_parallel import visible_gpus
 
     if n < 1:
         raise ValueError(f"--data-parallel must be at least 1, not {n}")

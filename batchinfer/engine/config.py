@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from batchinfer.engine.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class EngineConfig:
         GPU (the host only runs small ops there, and more threads fight the grammar libraries' pools
         for the cores: docs1000-json on an H200 ran at 6,668 output tok/s with torch's default of 16
         threads, 9,465 with 2, BENCHMARKS.md); unchanged on the CPU, where torch runs the model.
+    speculative: speculative decoding (engine/speculative.py SpeculativeConfig, or a dict of its
+        fields, e.g. {"method": "ngram+grammar", "num_tokens": 4}); None: off. On, the loop runs
+        serially (overlap is ignored).
     """
 
     model: str
@@ -59,8 +65,14 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "safetensors"
     torch_threads: int | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        spec: Any = self.speculative
+        if isinstance(spec, dict):
+            object.__setattr__(self, "speculative", SpeculativeConfig(**spec))
+        elif isinstance(spec, str):
+            object.__setattr__(self, "speculative", SpeculativeConfig(method=spec))  # type: ignore[arg-type]
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
         if self.load_format not in ("safetensors", "random"):

@@ -6,7 +6,12 @@ each Result as soon as its request finishes. A request that can never run (too l
 of the vocabulary, a constraint no grammar backend compiles) yields an error Result, never raises.
 
 Per-step stats (StepStats) are kept in `engine.last_step` and passed to the optional `on_step`
-callback.
+callback. `close()` (or `with Engine(...) as engine:`) releases the device memory at once: the CUDA
+graphs and their pools, the KV cache, the model (dropping the last reference does the same).
+
+This module is the loop; its parts live next to it: scheduler.py (what runs each step),
+model_runner.py (packing, forward, sampling), grammar.py (compiled grammars, accept, masks),
+finish.py (stop checks, final text, the Result).
 
 Overlap (`EngineConfig.overlap`, on by default): a one-step lookahead, so that the host builds step
 N+1 while the device runs step N. One loop iteration (`_step`):
@@ -18,7 +23,7 @@ N+1 while the device runs step N. One loop iteration (`_step`):
      from N's sampled-token tensor (model_runner.prepare), so nothing waits for N here;
   3. read N's tokens (waits on a CUDA event recorded after their copy to pinned host memory: the only
      host sync per step); feed them to the grammars (one batched accept per library) and start
-     N+1's grammar masks (on a helper thread where the library's fill holds no GIL); then
+     N+1's grammar masks (engine/grammar.py; on a helper thread where the library's fill holds no GIL); then
      post-process: swap placeholders for tokens, stop checks, finish sequences (blocks freed now).
      Exception: when N has grammar rows and N+1 is an eager (not CUDA-graph) forward, whose launch
      alone takes tens of ms of host time, N's tokens are read, accepted and N+1's masks started
@@ -47,6 +52,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,26 +60,17 @@ import numpy as np
 import torch
 
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from batchinfer.engine.detokenizer import IncrementalDetokenizer
+from batchinfer.engine.finish import append_token, make_result
+from batchinfer.engine.grammar import GrammarState, StartedFill, Verdict
 from batchinfer.engine.kv_cache import BlockAllocator
 from batchinfer.engine.model_runner import ModelRunner, SampledTokens
-from batchinfer.engine.request import Request, RequestTimes, Result
+from batchinfer.engine.request import Request, Result
 from batchinfer.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from batchinfer.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from batchinfer.engine.speculative import Drafter, SpecCounts, Speculator, spec_fields
 from batchinfer.engine.stats import StepStats
 from batchinfer.models.loader import load_tokenizer
-from batchinfer.structured.base import Constraint, GrammarError
-
-
-MASK_BUFFERS = 3  # grammar bitmask buffers reused round-robin (Engine._mask_buffer)
-
-
-@dataclass(frozen=True)
-class _PendingFill:
-    """Masks of a step's sampling rows being filled while the step before is post-processed."""
-
-    pending: Any  # structured.compiler.PendingFill
-    rows: list[int]  # the sampling rows it fills
 
 
 @dataclass(frozen=True)
@@ -82,8 +79,9 @@ class _Read:
 
     now: float
     rows: list[tuple[Sequence, int]]  # (sequence, token) of every row whose token is used
-    verdicts: list[str | None]  # the grammar's verdict per row (Engine._accept_tokens)
-    fill: _PendingFill | None  # masks of the next step's rows, started
+    verdicts: list[Verdict]  # the grammar's verdict per row (GrammarState.accept)
+    fill: StartedFill | None  # masks of the next step's rows, started
+    logprobs: Any = None  # the step's engine.logprobs.StepLogprobs, when some row asked
 
 
 @dataclass
@@ -104,12 +102,29 @@ class _InFlight:
 class Engine:
     """Offline generation over a stream of requests with continuous batching."""
 
-    def __init__(self, config: EngineConfig, on_step: Callable[[StepStats], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_step: Callable[[StepStats], None] | None = None,
+        drafter: Drafter | None = None,
+        *,
+        tokenizer: Any = None,
+        grammar_compiler: Any = None,
+    ) -> None:
+        """drafter: with config.speculative, draft tokens come from it instead of n-gram lookup
+        (engine/speculative.py Drafter; the bench's oracle).
+        tokenizer / grammar_compiler: the model's tokenizer and a structured.compiler.GrammarCompiler
+        for it (this vocabulary, config.grammar_backend), or Futures of them, made elsewhere while the
+        model loads (the job's preflight); None: the engine makes its own."""
         self.config = config
         self.on_step = on_step
         self.runner = ModelRunner(config)
         self.model_info = self.runner.info
-        self.tokenizer = load_tokenizer(self.model_info.model_dir)
+        t = time.perf_counter()
+        tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_info.model_dir)
+        # start-up phases (name, perf_counter start, end): the job's phase timer and `bench job` read them
+        self.startup_spans = [*self.runner.startup_spans, ("tokenizer", t, time.perf_counter())]
         self.max_model_len = self.runner.max_model_len
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size)
         sched_cfg = SchedulerConfig(
@@ -125,21 +140,46 @@ class Engine:
         self._next_id = 0
         self._num_steps = 0
         self._generating = False
-        self._compiler = None
-        self._grammars: dict[Constraint, object] = {}  # compiled grammar, or the GrammarError message
+        self._closed = False
+        self.grammar = GrammarState(
+            self.tokenizer, self.runner.vocab_size, config.grammar_backend, self.model_info.eos_token_ids,
+            config.grammar_threads, config.max_num_seqs, pin_memory=self.runner.device.type == "cuda",
+            compiler=grammar_compiler,
+        )
         self._inflight: _InFlight | None = None
         self._last_end: Any = None  # timing event ending the last launched step (CUDA only)
         self._wait_s = 0.0  # host time blocked on the device in the current iteration
         self._idle_ms: float | None = None  # device idle gaps of the step read in this iteration
-        self._masks: list[torch.Tensor] | None = None  # see _mask_buffer
-        self._num_masks = 0
         self._phases: dict[str, float] = {}  # host ms by phase of the current iteration
         self._phase_t = 0.0
+        self.speculator = (
+            Speculator(config.speculative, self.runner.vocab_size, drafter) if config.speculative is not None else None
+        )
+        self._spec_counts: SpecCounts | None = None  # the current step's, when speculating
 
     # --- public API -------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Release the device memory now (CUDA graphs and their pools, KV cache, model) and the
+        grammar threads. Idempotent; the engine cannot generate afterwards."""
+        if self._generating:
+            raise RuntimeError("Engine.close() while generate() is running; finish or close that iterator first")
+        self._closed = True
+        self._inflight = None
+        self._last_end = None
+        self.grammar.close()
+        self.runner.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Yield one Result per request, in finish order, pulling requests only as they are needed."""
+        if self._closed:
+            raise RuntimeError("this Engine was closed")
         if self._generating:
             raise RuntimeError("Engine.generate is already running; finish or close that iterator first")
         self._generating = True
@@ -179,7 +219,7 @@ class Engine:
         if error is not None:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason, seq.error, seq.finished = "error", error, now
-            return self._result(seq)
+            return make_result(seq)
         self.scheduler.add(seq)
         return None
 
@@ -201,39 +241,22 @@ class Engine:
             return f"request {rid}: {problem}"
         constraint = seq.request.constraint
         if constraint is not None:
-            grammar = self._grammar(constraint)
-            if isinstance(grammar, str):
-                return f"request {rid}: {grammar}"
-            seq.matcher = grammar.new_matcher()
+            matcher = self.grammar.new_matcher(constraint)
+            if isinstance(matcher, str):
+                return f"request {rid}: {matcher}"
+            seq.matcher = matcher
         if seq.request.sampling.stop:
             skip = seq.request.sampling.skip_special_tokens
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, list(seq.token_ids), skip_special_tokens=skip)
         return None
-
-    def _grammar(self, constraint: Constraint):
-        """The compiled grammar for a constraint (cached), or the reason it cannot be compiled."""
-        if constraint not in self._grammars:
-            if self._compiler is None:
-                from batchinfer.structured.compiler import GrammarCompiler
-
-                self._compiler = GrammarCompiler(
-                    self.tokenizer,
-                    self.runner.vocab_size,
-                    self.config.grammar_backend,
-                    eos_ids=self.model_info.eos_token_ids,
-                    fill_threads=self.config.grammar_threads,
-                )
-            try:
-                self._grammars[constraint] = self._compiler.compile(constraint)
-            except (GrammarError, ValueError) as exc:
-                self._grammars[constraint] = f"constraint cannot be compiled: {exc}"
-        return self._grammars[constraint]
 
     # --- one step ---------------------------------------------------------------------------
 
     def _step(self) -> list[Result]:
         """One loop iteration: schedule and launch step N+1, read and post-process step N (see the
         module docstring). Returns the requests that finished."""
+        if self.speculator is not None:
+            return self.speculator.step(self)  # serial steps with drafts (engine/speculative.py)
         t0 = time.perf_counter()
         self._wait_s, self._idle_ms = 0.0, None
         self._phases, self._phase_t = {}, t0
@@ -263,15 +286,16 @@ class Engine:
             live = [s.status is SequenceStatus.RUNNING for s in sampling]
             bans = [self._bans(s) if ok else [] for s, ok in zip(sampling, live)]
             self._phase("post")
-            bitmask = self._bitmask(sampling, live, fill)
+            bitmask = self.grammar.bitmask(sampling, live, fill)
             self._phase("grammar_mask")
             sample_start = self.runner.mark()
             if sampling:
                 tokens = self._device_call(self.runner.sample_tokens, logits, sampling, bans, bitmask)
             else:
                 tokens = torch.empty(0, dtype=torch.int64, device=self.runner.device)
+            logprobs = self.runner.token_logprobs(logits, sampling, tokens) if sampling else None
             self._phase("sample_launch")
-            self._inflight = _InFlight(step, sampling, SampledTokens(tokens), (*marks, sample_start))
+            self._inflight = _InFlight(step, sampling, SampledTokens(tokens, logprobs), (*marks, sample_start))
             self._last_end = self._inflight.tokens.event
             for row, (seq, ok) in enumerate(zip(sampling, live)):
                 if ok:
@@ -310,12 +334,12 @@ class Engine:
         flight = self._inflight
         return (
             flight is not None
-            and self._compiler is not None
+            and self.grammar.in_use
             and any(s.matcher is not None for s in flight.sampling)
             and not self.runner.uses_graph(batch)
         )
 
-    def _read_inflight(self, next_sampling: list[Sequence] | None) -> tuple[list[Result], _PendingFill | None]:
+    def _read_inflight(self, next_sampling: list[Sequence] | None) -> tuple[list[Result], StartedFill | None]:
         """Wait for the in-flight step's tokens, append them, finish the sequences they end
         (_read_and_accept, then _finish_read). Returns the finished requests and the started fill."""
         return self._finish_read(self._read_and_accept(next_sampling))
@@ -336,55 +360,24 @@ class Engine:
         # rows of sequences that had finished before this step launched are wasted: never read
         rows = [(seq, token) for row, (seq, token) in enumerate(zip(flight.sampling, tokens))
                 if seq.pending_row == row and not seq.is_finished]
-        verdicts = self._accept_tokens(rows)
-        fill = self._start_fill(next_sampling, rows, verdicts) if next_sampling else None
+        verdicts = self.grammar.accept(rows)
+        fill = self.grammar.start_fill(next_sampling, rows, verdicts) if next_sampling else None
         self._phase("grammar_accept")
-        return _Read(now, rows, verdicts, fill)
+        return _Read(now, rows, verdicts, fill, flight.tokens.logprobs)
 
-    def _finish_read(self, read: "_Read") -> tuple[list[Result], _PendingFill | None]:
+    def _finish_read(self, read: "_Read") -> tuple[list[Result], StartedFill | None]:
         """Second half: swap each placeholder for its token, check stops, finish sequences."""
         now, rows, verdicts, fill = read.now, read.rows, read.verdicts, read.fill
         results = []
         for (seq, token), verdict in zip(rows, verdicts):
             seq.token_ids.pop()  # the placeholder
+            if read.logprobs is not None and seq.logprobs is not None:
+                seq.logprobs.append(read.logprobs.entry(seq.pending_row, token))
             seq.pending_row, seq.final_pending = None, False
-            if self._append(seq, token, now, verdict):
+            if append_token(seq, token, now, verdict, self.eos_token_ids, self.max_model_len, self.tokenizer):
                 self.scheduler.finish(seq)
-                results.append(self._result(seq))
+                results.append(make_result(seq))
         return results, fill
-
-    def _accept_tokens(self, rows: list[tuple[Sequence, int]]) -> list[str | None]:
-        """Advance every grammar of `rows` by its token, batched per library. Per row: None (no
-        grammar), "ok", "rejected" or "terminated" (accepted, and the grammar has reached its end)."""
-        verdicts: list[str | None] = [None] * len(rows)
-        at = [k for k, (seq, _) in enumerate(rows) if seq.matcher is not None]
-        if not at:
-            return verdicts
-        matchers = [rows[k][0].matcher for k in at]
-        accepted = self._compiler.accept_tokens(matchers, [rows[k][1] for k in at])
-        for k, m, ok in zip(at, matchers, accepted):
-            verdicts[k] = ("terminated" if m.is_terminated() else "ok") if ok else "rejected"
-        return verdicts
-
-    def _start_fill(
-        self, sampling: list[Sequence], read: list[tuple[Sequence, int]], verdicts: list[str | None]
-    ) -> _PendingFill | None:
-        """Start the masks of the next step's sampling rows whose grammar goes on (see _read_inflight).
-
-        A sequence whose token was just read qualifies only if its grammar accepted the token and has
-        not ended; rows of sequences that still finish this step (stop string, length) are reset to
-        all-allowed in _bitmask. The matchers are not touched again until the fill is waited for.
-        """
-        if self._compiler is None:
-            return None
-        ended = {id(seq) for (seq, _), v in zip(read, verdicts) if v in ("rejected", "terminated")}
-        rows = [r for r, s in enumerate(sampling)
-                if s.matcher is not None and s.status is SequenceStatus.RUNNING and id(s) not in ended]
-        if not rows:
-            return None
-        mask = self._mask_buffer(len(sampling))
-        pending = self._compiler.start_fill([sampling[r].matcher for r in rows], mask, rows)
-        return _PendingFill(pending, rows)
 
     def _idle_gaps_ms(self, flight: _InFlight) -> float | None:
         """How long the GPU sat idle waiting for the host around this step: from the end of the step
@@ -397,117 +390,15 @@ class Engine:
 
     def _bans(self, seq: Sequence) -> list[int]:
         """Tokens that may not end the output yet (min_tokens)."""
+        return self._bans_at(seq, seq.num_generated)
+
+    def _bans_at(self, seq: Sequence, num_generated: int) -> list[int]:
+        """Tokens that may not be the output token after `num_generated` ones (min_tokens)."""
         p = seq.request.sampling
-        if seq.num_generated >= p.min_tokens:
+        if num_generated >= p.min_tokens:
             return []
         ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         return sorted(i for i in ids if 0 <= i < self.runner.vocab_size)
-
-    def _mask_buffer(self, rows: int) -> torch.Tensor:
-        """An all-allowed int32 bitmask [rows, ceil(V/32)] from a ring of MASK_BUFFERS preallocated
-        ones (pinned on a GPU, so the copy to the device does not wait for earlier queued work).
-
-        At most one is taken per step, for that step's sampling; the buffer taken at step N comes
-        back at step N+3, after the host has read step N+2's tokens, so step N's copy of it to the
-        device has finished. Allocating pinned memory every step instead cost time on the host."""
-        if self._masks is None:
-            from batchinfer.structured.bitmask import allocate_token_bitmask
-
-            pin = self.runner.device.type == "cuda"
-            self._masks = [
-                allocate_token_bitmask(self.config.max_num_seqs, self.runner.vocab_size, pin_memory=pin)
-                for _ in range(MASK_BUFFERS)
-            ]
-        buf = self._masks[self._num_masks % MASK_BUFFERS][:rows]
-        self._num_masks += 1
-        return buf.fill_(-1)
-
-    def _bitmask(self, sampling: list[Sequence], live: list[bool], fill: _PendingFill | None = None):
-        """int32 CPU bitmask for the sampling rows, or None when no live row has a grammar
-        (rows of finished sequences stay all-allowed: their tokens are never read).
-
-        fill: the masks _read_inflight started for these rows; waited for here (always: the
-        library may still be writing into its tensor)."""
-        mask = fill.pending.wait() if fill is not None else None
-        rows = [row for row, (seq, ok) in enumerate(zip(sampling, live)) if seq.matcher is not None and ok]
-        if not rows:
-            return None
-        if mask is None:
-            mask = self._mask_buffer(len(sampling))
-            missing = rows
-        else:
-            filled = set(fill.rows)
-            stale = [r for r in fill.rows if not live[r]]
-            if stale:
-                mask[stale] = -1
-            missing = [r for r in rows if r not in filled]
-        if missing:
-            # one batched call per grammar library, on the library's own threads (GIL released)
-            self._compiler.fill_next_token_bitmasks([sampling[r].matcher for r in missing], mask, missing)
-        return mask
-
-    def _append(self, seq: Sequence, token: int, now: float, verdict: str | None = None) -> bool:
-        """Add a sampled token; decide whether the sequence is finished (and why). True if finished.
-
-        verdict: what the grammar said of the token, when _accept_tokens already fed it (else
-        the matcher is asked here). A final EOS / stop token id stays in output_token_ids but not
-        in the text.
-        """
-        p = seq.request.sampling
-        seq.token_ids.append(token)
-        if seq.first_token is None:
-            seq.first_token = now
-        ends_by_id = token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)
-        reason: str | None = "stop" if ends_by_id else None
-        error: str | None = None
-        text: str | None = None
-        if seq.matcher is not None:
-            if verdict is None:
-                verdict = ("terminated" if seq.matcher.is_terminated() else "ok") if seq.matcher.accept_token(token) else "rejected"
-            if verdict == "rejected":
-                reason = "error"
-                error = f"request {seq.request.request_id}: the grammar rejected sampled token {token}"
-            elif verdict == "terminated":
-                reason = reason or "stop"
-        if seq.detokenizer is not None and not ends_by_id:
-            new = seq.detokenizer.add(token)
-            if reason is None and seq.num_generated >= p.min_tokens:  # as vLLM: not before min_tokens
-                cut = find_stop_string(seq.detokenizer.text, p.stop, len(new))
-                if cut is not None:
-                    reason, text = "stop", seq.detokenizer.text[:cut]
-        if reason is None and (seq.num_generated >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is None:
-            return False
-        seq.finish_reason, seq.error = reason, error
-        seq.text = text if text is not None else self._final_text(seq, drop_last=ends_by_id)
-        seq.finished = now
-        return True
-
-    def _final_text(self, seq: Sequence, drop_last: bool) -> str:
-        if seq.detokenizer is not None:
-            piece = seq.detokenizer.flush()  # bytes held back at the end
-            text = seq.detokenizer.text
-            cut = find_stop_string(text, seq.request.sampling.stop, len(piece))
-            return text if cut is None else text[:cut]
-        ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=seq.request.sampling.skip_special_tokens)
-
-    def _result(self, seq: Sequence) -> Result:
-        prompt = list(seq.token_ids[: seq.num_prompt_tokens])
-        output = list(seq.output_token_ids)
-        return Result(
-            request_id=seq.request.request_id,
-            prompt_token_ids=prompt,
-            output_token_ids=output,
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            prompt_tokens=len(prompt),
-            completion_tokens=len(output),
-            error=seq.error,
-            times=RequestTimes(seq.arrived, seq.scheduled, seq.first_token, seq.finished),
-            num_preemptions=seq.num_preemptions,
-        )
 
     def _report(self, step: ScheduledStep, t0: float, num_finished: int) -> None:
         """StepStats of one iteration. schedule_ms is the host work the device did not hide: on a GPU
@@ -535,7 +426,9 @@ class Engine:
             host_ms=host_ms,
             wait_ms=wait_ms,
             phases_ms=self._phases,
+            **(spec_fields(self._spec_counts) if self._spec_counts is not None else {}),
         )
+        self._spec_counts = None
         self.last_step = stats
         if self.on_step is not None:
             self.on_step(stats)

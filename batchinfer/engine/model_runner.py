@@ -1,20 +1,26 @@
-"""The model runner: owns the model and the KV cache tensors, runs one scheduled step, samples.
+"""The model runner: owns the model, the KV cache tensors and the CUDA graphs; runs one scheduled step.
 
-For a step it packs the scheduled chunks into flat input_ids/positions, builds the slot mapping and
-block tables (vectorised with numpy), runs the model, keeps the hidden state of the last token of
-each sequence that samples this step, computes logits, applies the per-row bans (min_tokens) and the
-grammar bitmask, and samples. Decode-only steps on a GPU replay a CUDA graph captured at start-up
+For a step it packs the scheduled chunks into flat input_ids/positions and the slot mapping
+(vectorised with numpy), has the attention backend build the rest of its metadata
+(`AttentionBackend.build_metadata`), runs the model, keeps the hidden state of the last token of
+each sequence that samples this step, computes logits, applies the per-row bans (min_tokens) and
+the grammar bitmask, and samples. On a GPU with a graph-safe attention backend, decode-only steps
+and steps of up to cuda_graph_max_tokens tokens replay CUDA graphs captured at start-up
 (engine/cuda_graphs.py; `EngineConfig.cuda_graphs` turns them off); other steps run eagerly.
+The KV cache is sized by engine/kv_budget.py from a profiled largest step.
 
 For the engine's overlap loop, a step can be prepared before the tokens of the step in flight are
 on the host: rows whose last input token is still pending gather it on the device from that step's
 sampled-token tensor, and `sample_tokens` + `SampledTokens` leave the new tokens on the device with
 an event-guarded copy to pinned memory, so the host syncs only when it reads them.
+
+`close()` releases the graphs (and their memory pool), the KV cache and the model.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -22,15 +28,16 @@ import numpy as np
 import torch
 
 from batchinfer.attention import get_attention_backend
-from batchinfer.attention.base import AttentionMetadata, extend_tile_map, leading_single_count
+from batchinfer.attention.base import AttentionMetadata, concat_aligned
+from batchinfer.engine import kv_budget
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs
-from batchinfer.engine.kv_cache import allocate_kv_cache, kv_block_bytes
+from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes
+from batchinfer.engine.kv_cache import allocate_kv_cache
+from batchinfer.engine.logprobs import StepLogprobs, step_logprobs
 from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.sampler import SamplingBatch, ban_tokens_, make_sampling_batch, sample
-
 from batchinfer.engine.sequence import Sequence
-from batchinfer.models.loader import load_model
+from batchinfer.models.loader import load_model, load_model_info
 
 _MASK32 = 0xFFFFFFFF
 
@@ -78,9 +85,11 @@ class SampledTokens:
     `tensor`) and copied, without blocking the host, into pinned host memory; `tolist()` waits for
     that copy only (a CUDA event), not for work launched after it."""
 
-    def __init__(self, device_tokens: torch.Tensor) -> None:
+    def __init__(self, device_tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> None:
         self.tensor = device_tokens
         self.event: torch.cuda.Event | None = None  # a timing event: it also ends the step's timeline
+        # the rows' logprobs (engine/logprobs.py), when some row asked: copied with the tokens, read after tolist()
+        self.logprobs = logprobs.to_host_async() if logprobs is not None else None
         if device_tokens.device.type == "cuda":
             self._host = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
             self._host.copy_(device_tokens, non_blocking=True)
@@ -89,33 +98,10 @@ class SampledTokens:
         else:
             self._host = device_tokens
 
-    def done(self) -> bool:
-        """Whether tolist() would return without waiting."""
-        return self.event is None or self.event.query()
-
     def tolist(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
         return self._host.tolist()
-
-
-ALIGN_BYTES = 16
-
-
-def _concat_aligned(parts: Seq[np.ndarray]) -> tuple[np.ndarray, list[int]]:
-    """Concatenate same-dtype arrays, each starting at a multiple of 16 bytes; returns the buffer and
-    each part's start. Triton specialises kernels on 16-byte pointer alignment, so unaligned views
-    into one packed buffer (their alignment changing with the step's token count) would compile a
-    kernel variant in the middle of a run (measured: ~1 s each, BENCHMARKS.md)."""
-    per = max(1, ALIGN_BYTES // parts[0].dtype.itemsize)
-    starts, pos = [], 0
-    for p in parts:
-        starts.append(pos)
-        pos += -(-len(p) // per) * per
-    out = np.zeros(pos, dtype=parts[0].dtype)
-    for p, s in zip(parts, starts):
-        out[s : s + len(p)] = p
-    return out, starts
 
 
 class ModelRunner:
@@ -123,45 +109,70 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # start-up phases (name, perf_counter start, end): the job's phase timer and `bench job` read them
+        self.startup_spans: list[tuple[str, float, float]] = []
+        t = time.perf_counter()
         self.device = resolve_device(config.device)
         threads = config.torch_threads or (1 if self.device.type == "cuda" else None)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # process-wide: see EngineConfig.torch_threads
         self.block_size = config.block_size
-        self.attention = get_attention_backend(config.attention_backend, self.device)
+        shape = load_model_info(config.model, config.dtype, self.device)
+        self.attention = get_attention_backend(config.attention_backend, self.device, shape.num_heads // shape.num_kv_heads)
         self.model, self.info = load_model(
             config.model, config.dtype, self.device, self.attention, load_format=config.load_format
         )
+        t = self._span("model_load", t)
         max_pos = self.info.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len {config.max_model_len} is over the model's max_position_embeddings {max_pos}")
         self.max_model_len = config.max_model_len or max_pos
-        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.max_blocks_per_seq = kv_budget.max_blocks_per_seq(config, self.info)
         self.vocab_size = self.info.vocab_size
-        # query tokens per extend tile when the backend wants tile maps (AttentionMetadata.extend_tiles)
-        self._tile_tokens: int | None = self.attention.extend_tile_tokens(self.info.num_heads, self.info.num_kv_heads)
+        self.activation_peak_bytes: int | None = None  # measured by _profile_free_bytes (GPU)
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate(self.num_blocks)
+        t = self._span("kv_cache", t)  # on a GPU: the profiling forward, then the allocation
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         if self._graphs_usable():
-            self.graphs = DecodeGraphs(self._logits_all, config.max_num_seqs, self.max_blocks_per_seq, self.device)
-            self.graphs.capture()
-        if self._mixed_graph_tokens():
-            self.mixed_graphs = MixedGraphs(
-                self._logits_at, self._mixed_graph_tokens(), config.max_num_seqs, self.max_blocks_per_seq,
-                self._tile_tokens, self.vocab_size, self.info.dtype, self.device,
+            buffers = self.attention.graph_buffers(
+                config.max_num_seqs, config.max_num_seqs, self.max_blocks_per_seq, True, self.device
             )
-            self.mixed_graphs.capture()
+            self.graphs = DecodeGraphs(buffers, config.max_num_seqs, self.device)
+            self.graphs.capture(self._logits_all)
+            t = self._span("graph_capture_decode", t)
+        tokens = self._mixed_graph_tokens()
+        if tokens:
+            buffers = self.attention.graph_buffers(tokens, config.max_num_seqs, self.max_blocks_per_seq, False, self.device)
+            self.mixed_graphs = MixedGraphs(buffers, tokens, config.max_num_seqs, self.vocab_size, self.info.dtype, self.device)
+            self.mixed_graphs.capture(self._logits_at)
+            t = self._span("graph_capture_mixed", t)
         if self.device.type == "cuda":
             self._warm_up_sampling()
+            self._span("sampling_warm_up", t)
+
+    def _span(self, name: str, start: float) -> float:
+        """Record start-up phase `name` from `start` to now; returns now (the next phase's start)."""
+        now = time.perf_counter()
+        self.startup_spans.append((name, start, now))
+        return now
+
+    def close(self) -> None:
+        """Release the CUDA graphs and their pools, the KV cache and the model (idempotent); the
+        runner cannot run steps afterwards."""
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.graphs = self.mixed_graphs = None
+        self.kv_caches = []
+        self.model = None
 
     @torch.inference_mode()
     def _warm_up_sampling(self) -> None:
         """Draw once at every ladder batch size, greedy and sampled, and apply a grammar bitmask
         once, on logits of the LM head's dtype, so that any kernel compile or autotuning happens
         at start-up instead of in the middle of a run."""
-        from batchinfer.engine.cuda_graphs import graph_batch_sizes
         from batchinfer.structured.bitmask import apply_token_bitmask_
 
         for bs in graph_batch_sizes(self.config.max_num_seqs):
@@ -174,13 +185,13 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _graphs_usable(self) -> bool:
-        """CUDA graphs need a GPU and a graph-safe attention backend (the torch one loops on the host)."""
-        return self.config.cuda_graphs and self.device.type == "cuda" and self.attention.name == "triton"
+        """CUDA graphs need a GPU and a graph-safe attention backend."""
+        return self.config.cuda_graphs and self.device.type == "cuda" and self.attention.graph_safe
 
     def _mixed_graph_tokens(self) -> int:
-        """Largest step (tokens) captured as a mixed-step graph; 0: none (no decode graphs, or a
-        backend without tile maps, or EngineConfig.cuda_graph_max_tokens 0)."""
-        if not self._graphs_usable() or self._tile_tokens is None:
+        """Largest step (tokens) captured as a mixed-step graph; 0: none (no graphs, or
+        EngineConfig.cuda_graph_max_tokens 0)."""
+        if not self._graphs_usable():
             return 0
         return min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
 
@@ -200,38 +211,33 @@ class ModelRunner:
         return allocate_kv_cache(i.num_layers, num_blocks, self.block_size, i.num_kv_heads, i.head_dim, i.dtype, self.device)
 
     def _num_blocks(self) -> int:
-        """num_kv_blocks if given; else the CPU budget or the GPU's free memory after profiling.
-
-        Capped at what max_num_seqs sequences of max_model_len can ever use (there is no retention
-        cache, so more blocks would never be touched).
-        """
+        """num_kv_blocks if given; else the CPU budget or the GPU's free memory after profiling
+        (engine/kv_budget.py)."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        i = self.info
-        per_block = kv_block_bytes(i.num_layers, self.block_size, i.num_kv_heads, i.head_dim, i.dtype)
         if self.device.type == "cuda":
-            budget = self._profile_free_bytes()
+            free = self._profile_free_bytes()
+            budget = kv_budget.kv_cache_bytes(
+                self.config, "cuda", free_bytes=free, activation_bytes=self.activation_peak_bytes,
+                mixed_graphs=bool(self._mixed_graph_tokens()),
+            )
         else:
-            budget = int(self.config.kv_cache_gib * (1 << 30))
-        blocks = min(budget // per_block, self.config.max_num_seqs * self.max_blocks_per_seq)
-        if blocks < 1:
-            raise ValueError(f"the KV cache budget ({budget} bytes) does not hold a single {per_block}-byte block")
-        return int(blocks)
+            budget = kv_budget.kv_cache_bytes(self.config, self.device.type)
+        return kv_budget.kv_cache_blocks(self.config, self.info, budget)
 
     @torch.inference_mode()
     def _profile_free_bytes(self) -> int:
-        """Run the largest step once; KV budget = free memory x fraction - the step's activation peak."""
+        """Run the largest step once; keep its activation peak (activation_peak_bytes) and return the
+        free device memory after it."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self.profile_step()
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.activation_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
-        # mixed-step graphs keep a pool of about one largest step's activations for good
-        reserve = peak * (2 if self._mixed_graph_tokens() else 1)
-        return max(0, int(free * self.config.kv_cache_memory_fraction) - reserve)
+        return free
 
     @torch.inference_mode()
     def profile_step(self) -> torch.Tensor:
@@ -307,36 +313,9 @@ class ModelRunner:
         parts = [flat_ids, positions, slots, sample_index]
         if gather is not None:
             parts += [cu[1:][gather[0]] - 1, gather[1]]
-        longs_np, lo = _concat_aligned(parts)
+        longs_np, lo = concat_aligned(parts)
         longs = self._to_device(longs_np)
-        nb = len(lens)
-        lens_list = lens_np.tolist()
-        decode_only = bool((lens_np == 1).all())
-        int_parts = [cu.astype(np.int32), seq_lens.astype(np.int32), table.ravel()]
-        tiles_np = None
-        if self._tile_tokens is not None and not decode_only:
-            n_dec = leading_single_count(lens_list)  # the step's decodes come first
-            tiles_np = extend_tile_map(lens_np, n_dec, self._tile_tokens)
-            int_parts.append(tiles_np.ravel())
-        ints_np, io = _concat_aligned(int_parts)
-        ints = self._to_device(ints_np)
-        seq_lens_list = seq_lens.tolist()
-        meta = AttentionMetadata(
-            slot_mapping=longs[lo[2] : lo[2] + total],
-            query_start_loc=ints[io[0] : io[0] + nb + 1],
-            seq_lens=ints[io[1] : io[1] + nb],
-            block_tables=ints[io[2] : io[2] + nb * width].view(nb, width),
-            max_query_len=max(lens_list),
-            max_seq_len=max(seq_lens_list),
-            query_lens_cpu=lens_list,
-            seq_lens_cpu=seq_lens_list,
-            decode_only=decode_only,
-        )
-        if tiles_np is not None:
-            n_tiles = tiles_np.shape[1]
-            meta.num_decode_rows = n_dec
-            meta.decode_seq_lens = meta.seq_lens[:n_dec]
-            meta.extend_tiles = ints[io[3] : io[3] + 2 * n_tiles].view(2, n_tiles)
+        meta = self.attention.build_metadata(lens_np, seq_lens, table, longs[lo[2] : lo[2] + total], self._to_device)
         batch = StepBatch(
             input_ids=longs[lo[0] : lo[0] + total],
             positions=longs[lo[1] : lo[1] + total],
@@ -357,14 +336,11 @@ class ModelRunner:
     def _uses_decode_graph(self, batch: StepBatch) -> bool:
         """Decode-only steps (every row samples) of at most the largest captured size replay a graph."""
         g = self.graphs
-        n = batch.input_ids.shape[0]
-        return g is not None and batch.meta.decode_only and n <= g.max_batch_size and batch.sample_index.shape[0] == n
+        return g is not None and g.fits(batch.input_ids.shape[0], batch.meta, batch.sample_index.shape[0])
 
     def _uses_mixed_graph(self, batch: StepBatch) -> bool:
         g = self.mixed_graphs
-        return g is not None and not batch.meta.decode_only and g.fits(
-            batch.input_ids.shape[0], batch.meta, batch.sample_index.shape[0]
-        )
+        return g is not None and g.fits(batch.input_ids.shape[0], batch.meta, batch.sample_index.shape[0])
 
     def uses_graph(self, batch: StepBatch) -> bool:
         """Whether forward(batch) replays a CUDA graph (a short launch) instead of running eagerly."""
@@ -385,31 +361,22 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, batch.sample_index))
 
     @torch.inference_mode()
-    def sample(
-        self,
-        logits: torch.Tensor,
-        sampling: Seq[Sequence],
-        bans: Seq[list[int]] | None = None,
-        bitmask: torch.Tensor | None = None,
-    ) -> list[int]:
-        """Bans and grammar mask on the sampling rows' logits, then one token per row (in order).
-
-        bans[i]: token ids forbidden for sampling[i] (min_tokens); bitmask: int32 CPU
-        [len(sampling), ceil(V/32)] from the grammar matchers (rows without a grammar all -1) or None.
-        """
-        if not sampling:
-            return []
-        return self.sample_tokens(logits, sampling, bans, bitmask).tolist()
-
-    @torch.inference_mode()
     def sample_tokens(
         self,
         logits: torch.Tensor,
         sampling: Seq[Sequence],
         bans: Seq[list[int]] | None = None,
         bitmask: torch.Tensor | None = None,
+        steps: Seq[int] | None = None,
     ) -> torch.Tensor:
-        """As sample(), but the tokens stay on the device (int64 [len(sampling)]): launching only."""
+        """Bans and grammar mask on the sampling rows' logits, then one token per row (in order); the
+        tokens stay on the device (int64 [len(sampling)]): this only launches work.
+
+        bans[i]: token ids forbidden for sampling[i] (min_tokens); bitmask: int32 CPU
+        [len(sampling), ceil(V/32)] from the grammar matchers (rows without a grammar all -1) or None.
+        steps: the sampler's counter per row (default: each sequence's num_generated); speculative
+        decoding samples several positions of one sequence in one step.
+        """
         if bans:
             rows = [i for i, b in enumerate(bans) if b]
             if rows:
@@ -418,7 +385,16 @@ class ModelRunner:
             from batchinfer.structured.bitmask import apply_token_bitmask_
 
             apply_token_bitmask_(logits, bitmask.to(self.device, non_blocking=True))
-        return sample(logits, self.sampling_batch(sampling))
+        return sample(logits, self.sampling_batch(sampling, steps))
+
+    def token_logprobs(self, logits: torch.Tensor, sampling: Seq[Sequence], tokens: torch.Tensor) -> StepLogprobs | None:
+        """Logprobs of the sampled tokens for the rows whose request asks (None, at no cost, when none
+        does): from the logits sample_tokens drew from (bans and mask applied). Launching only."""
+        asks = [(i, s.request.sampling.logprobs) for i, s in enumerate(sampling) if s.request.sampling.logprobs is not None]
+        if not asks:
+            return None
+        with torch.inference_mode():
+            return step_logprobs(logits, asks, tokens)
 
     def mark(self) -> torch.cuda.Event | None:
         """A timing event recorded now on the current CUDA stream (None on the CPU): the engine
@@ -429,7 +405,7 @@ class ModelRunner:
         event.record()
         return event
 
-    def sampling_batch(self, sampling: Seq[Sequence]) -> SamplingBatch:
+    def sampling_batch(self, sampling: Seq[Sequence], steps: Seq[int] | None = None) -> SamplingBatch:
         """make_sampling_batch for sequences, from rows each sequence computes once (its seed folded,
         its parameters resolved), stacked with numpy: the per-row Python of make_sampling_batch
         cost ~1 ms per step at 256 rows."""
@@ -444,7 +420,10 @@ class ModelRunner:
             rows.append(s.sampling_row)
         cols = list(zip(*rows))
         floats = np.array(cols[:3], dtype=np.float32)
-        steps = np.fromiter((s.num_generated for s in sampling), dtype=np.int64, count=len(sampling)) & _MASK32
+        if steps is None:
+            steps = np.fromiter((s.num_generated for s in sampling), dtype=np.int64, count=len(sampling)) & _MASK32
+        else:
+            steps = np.asarray(steps, dtype=np.int64) & _MASK32
         greedy = np.array(cols[5], dtype=bool)
         ints = np.stack([np.array(cols[3], dtype=np.int64), np.array(cols[4], dtype=np.int64), steps, greedy.astype(np.int64)])
         f_dev, i_dev = self._to_device(floats), self._to_device(ints)
@@ -461,9 +440,3 @@ class ModelRunner:
             all_top_k=bool(sampled.any()) and bool((top_k[sampled] > 0).all()),
             max_top_k=int(top_k[sampled].max()) if sampled.any() else 0,
         )
-
-    def execute(self, seqs: Seq[Sequence], num_tokens: Seq[int], samples: Seq[bool], bans=None, bitmask=None) -> list[int]:
-        """prepare + forward + sample in one call (tests, simple drivers)."""
-        batch = self.prepare(seqs, num_tokens, samples)
-        sampling = [s for s, flag in zip(seqs, samples) if flag]
-        return self.sample(self.forward(batch), sampling, bans, bitmask)

@@ -8,6 +8,7 @@ from typing import Literal
 from batchinfer.structured.base import Constraint
 
 FinishReason = Literal["stop", "length", "error"]
+MAX_LOGPROBS = 20  # most alternatives per token (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class SamplingParams:
     whatever else shares the batch.
     stop: strings that end the output (cut from the text); stop_token_ids: ids that end it
     (not part of the text). EOS ends the output unless ignore_eos.
+    logprobs: None (off) or K in 0..20: each output token's log-probability and the K most likely
+    tokens at its position, in `Result.logprobs` (engine/logprobs.py says which distribution).
     """
 
     max_tokens: int = 256
@@ -31,6 +34,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -45,6 +49,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError("min_p must be in [0, 1]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or null: off)")
 
 
 @dataclass(frozen=True)
@@ -69,8 +75,19 @@ class RequestTimes:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One output token: its id, its log-probability, and the K most likely (id, logprob) at its
+    position, most likely first (K = SamplingParams.logprobs)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Result:
-    """One finished request. finish_reason is stop | length | error; error is None unless it failed."""
+    """One finished request. finish_reason is stop | length | error; error is None unless it failed.
+    logprobs (requests with SamplingParams.logprobs set): one entry per output_token_ids entry."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -82,3 +99,4 @@ class Result:
     error: str | None = None
     times: RequestTimes | None = None
     num_preemptions: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token when the request asked

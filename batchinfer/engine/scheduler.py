@@ -10,6 +10,12 @@ engine finishes them as soon as it reads that token.
 
 Admission reserves the blocks a sequence will need while it decodes (prompt + max_tokens, the
 output part capped), not just its prompt, so preemption stays rare.
+
+Identical prompts (a job's n answers of one row): a waiting sequence whose whole shareable prefix is
+being prefilled right now by a running sequence waits (sequences behind it are admitted meanwhile)
+until those blocks are computed and published, then shares them: n answers prefill their prompt once.
+Blocks are only published after the step that computes them, so admitted together they would all
+compute it. A prompt that shares only part of its prefix (a common system prompt) is never held back.
 """
 
 from __future__ import annotations
@@ -23,15 +29,13 @@ from batchinfer.engine.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """max_reserved_output: most output tokens counted per sequence at admission (the cap);
-    watermark_blocks: blocks kept free at admission while other sequences run."""
+    """max_reserved_output: most output tokens counted per sequence at admission (the cap)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     enable_prefix_sharing: bool = True
     max_reserved_output: int = 1024
-    watermark_blocks: int = 0
 
 
 @dataclass
@@ -102,13 +106,14 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
-        num_decodes = sum(1 for s in self.running if s.num_remaining == 1 and not s.final_pending)
+        num_decodes = sum(1 + s.num_draft for s in self.running if s.num_remaining == 1 + s.num_draft and not s.final_pending)
         prefill_budget = max(0, budget - num_decodes)
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.final_pending or step.total_tokens >= budget:
                 continue
-            is_decode = seq.num_remaining == 1
-            want = 1 if is_decode else min(seq.num_remaining, prefill_budget)
+            is_decode = seq.num_remaining == 1 + seq.num_draft
+            # a decode with drafts (speculative decoding) verifies them all, as far as the budget goes
+            want = min(seq.num_remaining, budget - step.total_tokens) if is_decode else min(seq.num_remaining, prefill_budget)
             if want == 0:
                 continue
             n = self._fit(seq, want, step)
@@ -143,10 +148,12 @@ class Scheduler:
         return self._blocks(min(seq.num_tokens + out, self.config.max_model_len))
 
     def _add_to_step(self, step: ScheduledStep, seq: Sequence, n: int) -> None:
+        if seq.num_draft and seq.num_computed_tokens + n < seq.num_tokens:
+            seq.drop_drafts(seq.num_tokens - seq.num_computed_tokens - n)  # drafts the budget/blocks cannot take
         step.seqs.append(seq)
         step.num_tokens.append(n)
         step.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
-        if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1:
+        if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_draft:
             step.num_decode_tokens += 1
         else:
             step.num_prefill_tokens += n
@@ -174,6 +181,7 @@ class Scheduler:
         return n
 
     def _preempt(self, seq: Sequence, step: ScheduledStep) -> None:
+        seq.drop_drafts()
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
@@ -191,16 +199,28 @@ class Scheduler:
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         if not self.waiting:
             return
+        held: list[Sequence] = []  # waiting for a running sequence to publish their prompt's blocks
+        try:
+            self._admit_waiting(step, budget, held)
+        finally:
+            self.waiting.extendleft(reversed(held))  # back at the front, in their order
+
+    def _admit_waiting(self, step: ScheduledStep, budget: int, held: list[Sequence]) -> None:
         outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)
         # A final_pending sequence is done as soon as its token is read: its slot is free already
         # (it is never scheduled again, so steps still hold at most max_num_seqs rows).
         active = sum(1 for s in self.running if not s.final_pending)
+        in_progress = self._prefixes_in_progress() if self.config.enable_prefix_sharing else set()
         while self.waiting and budget > 0 and active < self.config.max_num_seqs:
             seq = self.waiting[0]
             shared = self._match_prefix(seq) if self.config.enable_prefix_sharing else []
+            whole = self._whole_prefix(seq)
+            if whole is not None and len(shared) < whole[0] and whole[1] in in_progress:
+                held.append(self.waiting.popleft())
+                continue
             need = self._reserved_blocks(seq) - len(shared)
             spare = self.allocator.num_free - outstanding - need
-            if self.running and spare < self.config.watermark_blocks:
+            if self.running and spare < 0:  # its reservation does not fit next to the running ones
                 break
             if self.allocator.num_free == 0:
                 break
@@ -217,6 +237,8 @@ class Scheduler:
             outstanding += max(0, self._reserved_blocks(seq) - len(seq.block_ids))
             self._add_to_step(step, seq, n)
             budget -= n
+            if whole is not None and len(shared) < whole[0]:
+                in_progress.add(whole[1])
 
     def _full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Chained hashes of the first num_blocks full blocks, extending the cached list."""
@@ -225,6 +247,25 @@ class Scheduler:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
+
+    def _whole_prefix(self, seq: Sequence) -> tuple[int, bytes] | None:
+        """(blocks, hash) of the prompt's whole shareable prefix (every full block before its last
+        token); None for a prompt shorter than two blocks' worth. Only prompt tokens are hashed."""
+        blocks = (seq.num_prompt_tokens - 1) // self.block_size
+        if blocks == 0:
+            return None
+        if len(seq.block_hashes) < blocks:
+            self._full_block_hashes(seq, blocks)
+        return blocks, seq.block_hashes[blocks - 1]
+
+    def _prefixes_in_progress(self) -> set[bytes]:
+        """Whole-prefix hashes of the running sequences whose prompt blocks are not all published yet
+        (a decoding sequence has published them: only the few still prefilling are hashed)."""
+        out = set()
+        for s in self.running:
+            if s.num_registered_blocks < (s.num_prompt_tokens - 1) // self.block_size:
+                out.add(self._whole_prefix(s)[1])  # type: ignore[index]
+        return out
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Blocks in use that hold this sequence's leading full blocks; the last token is never

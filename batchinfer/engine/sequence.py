@@ -54,6 +54,10 @@ class Sequence:
     num_preemptions: int = 0
     pending_row: int | None = None
     final_pending: bool = False
+    # Speculative decoding (engine/speculative.py): the last num_draft tokens of token_ids are
+    # drafts this step verifies (never there between steps); spec: the per-sequence drafter state.
+    num_draft: int = 0
+    spec: Any = None
     # Engine-side helpers and results.
     detokenizer: Any = None
     matcher: Any = None
@@ -61,6 +65,7 @@ class Sequence:
     # once by the model runner (sampling parameters never change during a request)
     sampling_row: tuple | None = None
     text: str = ""
+    logprobs: list[Any] | None = None  # TokenLogprob per output token, when the request asks
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrived: float = 0.0
@@ -79,6 +84,7 @@ class Sequence:
             max_tokens=request.sampling.max_tokens,
             seed=seed,
             arrived=arrived,
+            logprobs=[] if request.sampling.logprobs is not None else None,
         )
 
     @property
@@ -97,6 +103,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def drop_drafts(self, num: int | None = None) -> None:
+        """Remove the last `num` (default: all) draft tokens from token_ids."""
+        num = self.num_draft if num is None else min(num, self.num_draft)
+        if num:
+            del self.token_ids[-num:]
+            self.num_draft -= num
 
     @property
     def is_finished(self) -> bool:

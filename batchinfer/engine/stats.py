@@ -27,3 +27,12 @@ class StepStats:
     # read_tokens (blocked on the device), grammar_accept, post (detokenise, stops, finish),
     # grammar_mask (waiting for / filling the next masks), sample_launch
     phases_ms: dict[str, float] = field(default_factory=dict)
+    # speculative decoding (engine/speculative.py; all 0 when off): draft tokens proposed, computed by
+    # the step (after grammar cuts and the budget), and confirmed by the target; decoding sequences
+    # that verified drafts, all decoding sequences of the step, and the tokens they emitted
+    spec_drafted: int = 0
+    spec_verified: int = 0
+    spec_accepted: int = 0
+    spec_rows: int = 0
+    spec_decode_rows: int = 0
+    spec_emitted: int = 0

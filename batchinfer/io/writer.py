@@ -1,6 +1,8 @@
-"""Atomic Parquet part files: rows are buffered, then written as `_tmp.part-N.parquet.tmp` (pyarrow,
-Spark and DuckDB skip `_` names; `*.parquet` globs, which polars needs, skip the `.tmp` suffix),
-fsynced, renamed to `part-N.parquet`, and recorded in the manifest.
+"""Atomic Parquet part files: rows are buffered, then committed whole as `part-N.parquet` in the
+output folder (local disk: a temp file in the records folder's tmp/, fsynced, renamed in; object
+store: one upload under the final name, visible only complete; see store.py), then recorded in the
+manifest. The output folder never holds anything but complete parts, so any reader of the folder
+(polars and DuckDB included, which read every file in it) gets exactly the output.
 
 A part rolls over every `rows_per_part` rows or `seconds_per_part` seconds, so a kill loses at most
 one part's worth of work and memory stays bounded.
@@ -11,13 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchinfer.io.manifest import FINGERPRINT_KEY, TMP_PREFIX, Manifest, PartInfo, fsync_dir, next_part_number
+from batchinfer.io import layout
+from batchinfer.io.id_key import to_output
+from batchinfer.io.manifest import FINGERPRINT_KEY, Manifest, PartInfo, next_part_number
+from batchinfer.io.store import Location
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +39,11 @@ RESULT_FIELDS = [
 ]
 
 
-def output_schema(key_types: dict[str, pa.DataType | None], output_type: pa.DataType | None) -> dict[str, pa.DataType | None]:
-    """Column name -> type of an output part; None types are inferred from the first part's values."""
+def output_schema(key_types: dict[str, pa.DataType | None], result_columns: dict[str, pa.DataType]) -> dict[str, pa.DataType | None]:
+    """Column name -> type of an output part: the id and kept columns, then the result columns (the
+    job's: results.ResultConverter.columns); None types are inferred from the first part's values."""
     cols: dict[str, pa.DataType | None] = dict(key_types)
-    for f in RESULT_FIELDS:
-        cols[f.name] = f.type
-    if output_type is not None:
-        cols["output"] = output_type
+    cols.update(result_columns)
     return cols
 
 
@@ -86,12 +88,13 @@ class PartWriter:
         if len(self._buffer) >= self.rows_per_part or due:
             self.flush()
 
-    def _resolve_schema(self) -> pa.Schema:
+    def _resolve_schema(self, rows: list[dict[str, Any]]) -> pa.Schema:
+        """The part schema: the given column types, the untyped ones inferred from the first part's rows."""
         if self._schema is None:
             fields = []
             for name, typ in self.columns.items():
                 if typ is None:
-                    vals = [r.get(name) for r in self._buffer]
+                    vals = [r.get(name) for r in rows]
                     try:
                         typ = pa.array(vals).type
                     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -103,7 +106,11 @@ class PartWriter:
         return self._schema
 
     def _table(self, rows: list[dict[str, Any]]) -> pa.Table:
-        schema = self._resolve_schema()
+        schema = self._resolve_schema(rows)
+        id_col = self.manifest.id_column
+        if id_col in schema.names:  # the id as a value of the output's id type (same canonical key)
+            typ = schema.field(id_col).type
+            rows = [{**r, id_col: to_output(r.get(id_col), typ)} for r in rows]
         try:
             return pa.Table.from_pylist(rows, schema=schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
@@ -113,6 +120,8 @@ class PartWriter:
         """A row whose kept column does not fit the part's type: null it and say so in `error`."""
         row = dict(row)
         for f in schema:
+            if f.name == self.manifest.id_column:
+                continue  # the id type holds every input id (plan: id_key.common_type); never null an id
             try:
                 pa.array([row.get(f.name)], type=f.type)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
@@ -128,18 +137,22 @@ class PartWriter:
         if not self._buffer:
             return
         self.broken = True
-        table = self._table(self._buffer)
+        part = self.commit(self._buffer)
+        self._buffer = []
+        self._started = None
+        self.broken = False
+        if self.on_commit is not None:
+            self.on_commit(part)
+
+    def commit(self, rows: list[dict[str, Any]]) -> PartInfo:
+        """Write `rows` as the next part file and record it in the manifest (the part is complete or absent)."""
+        table = self._table(rows)
         meta = dict(table.schema.metadata or {})
         meta[FINGERPRINT_KEY] = self.manifest.fingerprint.encode()
         table = table.replace_schema_metadata(meta)
-        name = f"part-{self._next:06d}.parquet"
-        tmp = self.folder / f"{TMP_PREFIX}{name}.tmp"  # `*.parquet` globs skip it too
-        with open(tmp, "wb") as fh:
+        name = layout.part_name(self._next)
+        with (self.folder / name).open_atomic(tmp_dir=layout.tmp_dir(self.folder)) as fh:
             pq.write_table(table, fh, compression="zstd")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.folder / name)
-        fsync_dir(self.folder)
         errors = sum(1 for r in table.column("error").to_pylist() if r is not None)
         part = PartInfo(name, table.num_rows, errors)
         self.manifest.add_part(part)
@@ -147,11 +160,7 @@ class PartWriter:
         self._next += 1
         self.rows_written += table.num_rows
         self.errors_written += errors
-        self._buffer = []
-        self._started = None
-        self.broken = False
-        if self.on_commit is not None:
-            self.on_commit(part)
+        return part
 
     def save_finished(self) -> None:
         """After a failure elsewhere: commit the rows that did finish (best effort), so a resume skips them."""
@@ -166,6 +175,7 @@ class PartWriter:
         self.flush()
 
 
-def existing_schema(folder: Path, part_name: str) -> pa.Schema:
+def existing_schema(folder: "str | os.PathLike[str] | Location", part_name: str) -> pa.Schema:
     """The schema of a committed part (resume keeps the same column types)."""
-    return pq.read_schema(str(folder / part_name))
+    with (layout.output_dir(folder) / part_name).open_input_file() as fh:
+        return pq.read_schema(fh)

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from batchinfer.attention.base import extend_tile_map
 from batchinfer.kernels._util import check_attention_inputs, dot_precision, pow2
 
 LOG2E = 1.4426950408889634
@@ -143,6 +142,25 @@ def extend_block_m(group: int, block_rows: int = 64) -> int:
     if block_m * block_g < 16:
         block_m = 16 // block_g
     return block_m
+
+
+def extend_tile_map(query_lens, first_seq: int, block_m: int, size: int | None = None) -> np.ndarray:
+    """The kernel's work list: int32 [2, n], (sequence, query tile) of every tile of sequences
+    first_seq.. with block_m tokens per tile; padded with -1 to `size` columns when given (a CUDA
+    graph's fixed grid). Built on the host (the attention backend copies it with the step's other
+    metadata), so the launch needs nothing read back from the device."""
+    lens = np.asarray(query_lens, dtype=np.int64)[first_seq:]
+    counts = -(-lens // block_m)
+    n = int(counts.sum())
+    width = n if size is None else size
+    if width < n:
+        raise ValueError(f"{n} extend tiles do not fit a map of {size}")
+    tiles = np.full((2, width), -1, dtype=np.int32)
+    seq = np.repeat(np.arange(first_seq, first_seq + len(lens)), counts)
+    starts = np.cumsum(counts) - counts
+    tiles[0, :n] = seq
+    tiles[1, :n] = np.arange(n) - np.repeat(starts, counts)
+    return tiles
 
 
 def paged_extend_attention(

@@ -1,7 +1,8 @@
 """The Observer: what the job driver creates from the run's options and feeds with steps and results.
 
 It fans each event out to the parts that are on:
-  always   step and row records beside the output (records.py), the report at close (report.py);
+  always   step and row records beside the output (records.py; where: io/layout.py), the report at
+           close (report.py);
   options  live Prometheus metrics on a port and/or a textfile (metrics.py), the token-id sidecar
            (tokenlog.py), a profiler trace of a few steps (trace.py).
 
@@ -16,8 +17,8 @@ A failing observer part must never lose rows: close() tries every part and logs 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +26,12 @@ from typing import Any
 
 from batchinfer.engine.request import Result
 from batchinfer.engine.stats import StepStats
-from batchinfer.io.manifest import MANIFEST, Manifest, part_files
+from batchinfer.io import layout
+from batchinfer.io.manifest import Manifest, part_files
 from batchinfer.observe.metrics import Metrics
 from batchinfer.observe.records import (
     ROW_SCHEMA,
-    ROWS_DIR,
     STEP_SCHEMA,
-    STEPS_DIR,
     PartSink,
     RowOutcome,
     SinkConfig,
@@ -39,26 +39,32 @@ from batchinfer.observe.records import (
     row_record,
     step_record,
 )
-from batchinfer.observe.report import REPORT_HTML, REPORT_JSON, summary_text, write_report
-from batchinfer.observe.tokenlog import TOKEN_IDS_DIR, TokenLog
+from batchinfer.observe.report import summary_text, write_report
+from batchinfer.observe.tokenlog import TokenLog
 from batchinfer.observe.trace import StepTracer, TraceConfig
 
 log = logging.getLogger(__name__)
 
+# Input excerpts kept in the row records, per run: the first rows that succeeded and the first rows of
+# each error kind (enough for the report's sample answers; the records stay small on long runs).
+EXCERPT_OK_ROWS = 20
+EXCERPT_ROWS_PER_ERROR_KIND = 5
+
 
 @dataclass(frozen=True)
 class ObserveOptions:
-    """What to observe. out_dir: the job's output folder (records and the report go there).
+    """What to observe. out_dir: the job's output folder, a path or URI (records and the report go to its
+    records folder beside it: io/layout.py).
 
     metrics_port: serve live metrics on metrics_host:port (0: any free port; None: off).
     metrics_textfile: write a node-exporter textfile there at close (None: off).
-    log_token_ids: write `_token_ids/` (prompt and output ids of every row).
+    log_token_ids: write `token_ids/` (prompt and output ids of every row).
     trace_dir: write a profiler trace of trace_num_steps steps after step trace_start_step (None: off).
-    report: write `_report.json` and `_report.html` at close.
+    report: write `report.json` and `report.html` at close.
     flush_rows / flush_s: how often records are written out as parts.
     """
 
-    out_dir: Path
+    out_dir: Any  # str | Path | Location
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     metrics_textfile: Path | None = None
@@ -82,8 +88,9 @@ class Observer:
 
     def __init__(self, options: ObserveOptions) -> None:
         self.options = options
-        self.out_dir = Path(options.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = layout.output_dir(options.out_dir)
+        self.out_dir.makedirs()
+        layout.records_dir(self.out_dir).makedirs()
         tf = options.metrics_textfile
         if tf is not None and not Path(tf).parent.is_dir():  # say so now, not at the end of a long run
             raise FileNotFoundError(f"--metrics-textfile {tf}: folder {Path(tf).parent} does not exist")
@@ -92,8 +99,9 @@ class Observer:
         self.run_id = new_run_id()
         self.t0 = time.perf_counter()
         o = options
-        self._steps = PartSink(SinkConfig(self.out_dir / STEPS_DIR, STEP_SCHEMA, self.run_id, o.flush_rows, o.flush_s))
-        self._rows = PartSink(SinkConfig(self.out_dir / ROWS_DIR, ROW_SCHEMA, self.run_id, o.flush_rows, o.flush_s))
+        self._steps = PartSink(SinkConfig(layout.steps_dir(self.out_dir), STEP_SCHEMA, self.run_id, o.flush_rows, o.flush_s))
+        self._rows = PartSink(SinkConfig(layout.rows_dir(self.out_dir), ROW_SCHEMA, self.run_id, o.flush_rows, o.flush_s))
+        self._excerpts: dict[str | None, int] = {}  # error kind (None: ok rows) -> excerpts kept
         self.metrics = Metrics() if (o.metrics_port is not None or o.metrics_textfile is not None) else None
         self.metrics_port: int | None = None
         if self.metrics is not None and o.metrics_port is not None:
@@ -115,23 +123,36 @@ class Observer:
             self.tracer.on_step(stats)
 
     def on_result(self, row_id: Any, result: Result, finish_reason: str | None = None,
-                  error: str | None = None) -> None:
+                  error: str | None = None, excerpt: str | None = None) -> None:
         """One finished row, from the engine's Result (finish_reason / error: the output row's, when the
-        driver changed them, e.g. an answer that fails its schema)."""
-        self._row(RowOutcome.of_result(row_id, result, finish_reason, error), result)
+        driver changed them, e.g. an answer that fails its schema; excerpt: the start of its input)."""
+        row = RowOutcome.of_result(row_id, result, finish_reason, error)
+        self._row(dataclasses.replace(row, excerpt=excerpt) if excerpt is not None else row, result)
 
     def on_row(self, record: Any) -> None:
         """One finished row, from the driver's run.RowRecord (row_id, finish_reason, prompt_tokens,
         completion_tokens, times, num_preemptions; and `error`, `result` when it has them). Rows that
-        failed before the engine (no `result`) are counted but have no token ids to log."""
+        failed before the engine (no `result`) are counted but have no token ids to log; `excerpt`, when
+        the record has one, is kept for the first rows of each outcome (EXCERPT_OK_ROWS ...)."""
         self._row(RowOutcome.of_record(record), getattr(record, "result", None))
 
     def _row(self, row: RowOutcome, result: Result | None) -> None:
-        self._rows.add(row_record(self.run_id, row, self.t0))
+        self._rows.add(row_record(self.run_id, row, self.t0, self._keep_excerpt(row)))
         if self.metrics is not None:
             self.metrics.on_row(row)
         if self.token_log is not None and result is not None:
             self.token_log.add(row.row_id, result)
+
+    def _keep_excerpt(self, row: RowOutcome) -> bool:
+        if row.excerpt is None:
+            return False
+        kind = row.kind
+        limit = EXCERPT_OK_ROWS if kind is None else EXCERPT_ROWS_PER_ERROR_KIND
+        kept = self._excerpts.get(kind, 0)
+        if kept >= limit:
+            return False
+        self._excerpts[kind] = kept + 1
+        return True
 
     def flush(self) -> None:
         """Write buffered records now (e.g. right after the driver commits an output part)."""
@@ -202,16 +223,14 @@ class Observer:
             self.abort()
 
 
-def _has_committed_parts(out_dir: Path) -> bool:
-    manifest = Manifest.load(out_dir) if (out_dir / MANIFEST).exists() else None
+def _has_committed_parts(out_dir: Any) -> bool:
+    manifest = Manifest.load(out_dir)
     return bool(manifest and manifest.parts) or bool(part_files(out_dir))
 
 
-def clear_records(out_dir: str | Path) -> None:
-    """Remove what observers left in out_dir (records, token ids, report); nothing else is touched."""
-    out = Path(out_dir)
-    for name in (STEPS_DIR, ROWS_DIR, TOKEN_IDS_DIR):
-        if (out / name).is_dir():
-            shutil.rmtree(out / name)
-    for name in (REPORT_JSON, REPORT_HTML):
-        (out / name).unlink(missing_ok=True)
+def clear_records(out_dir: Any) -> None:
+    """Remove what observers left for out_dir (records, token ids, report); nothing else is touched."""
+    for folder in layout.observer_folders(out_dir):
+        folder.delete_tree()
+    for path in layout.observer_files(out_dir):
+        path.delete()

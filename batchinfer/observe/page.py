@@ -1,242 +1,262 @@
-"""`_report.html`: one self-contained page (no external file, script or font) with matplotlib plots.
+"""`_report.html`: the run report a person reads, as one self-contained page (pagekit.py).
 
-Each plot is a PNG embedded as a base64 data URI, so the page can be mailed, attached to a ticket or
-opened from an object store as is. Figures are made with matplotlib's object API (Figure, never
-pyplot), so drawing keeps no global state and needs no display.
+Top to bottom: the headline (job, model, device, when and how long, rows ok / errors / rejected,
+documents per hour, output tokens/s, roofline), sample answers (a few successful rows and a few of
+each error kind, with their input excerpts; the rejects file), what a structured job's answers say
+(per field; a plot per enum / boolean field and a histogram per number field), then throughput,
+latency, lengths, engine steps and KV cache, the output check, and the resolved job, run facts and
+versions (collapsed). Every number has a label in words and a unit.
+
+Reads only the report dict (report.py) and the step / row frames; imports nothing that imports it.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
-import json
+import os
 from typing import Any
 
 import polars as pl
-from matplotlib.figure import Figure
 
-from batchinfer.observe.report import LATENCY_COLUMNS
+from batchinfer.io import layout
+from batchinfer.observe import labels as L
+from batchinfer.observe import plots
+from batchinfer.observe.pagekit import details, document, esc, facts, grid, img, kv_table
 
-MAX_BINS = 80
-MAX_POINTS = 2000
-
-
-def _png(fig: Figure) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+MAX_FIELD_PLOTS = 24
 
 
-def _empty(ax: Any, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
+# ------------------------------------------------------------------------------------------ headline
 
 
-def _bin_width(span: float) -> float:
-    """A round bin width giving at most MAX_BINS bins over `span` seconds (at least 1 s... or finer for short runs)."""
-    for w in (0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200):
-        if span / w <= MAX_BINS:
-            return float(w)
-    return span / MAX_BINS
-
-
-def plot_throughput(steps: pl.DataFrame, rows: pl.DataFrame) -> Figure:
-    """Prefill and decode tokens per second, and rows finished per second, over the run."""
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    ax.set_title("Throughput over time")
-    if steps.height == 0:
-        _empty(ax, "steps")
-        return fig
-    w = _bin_width(float(steps.get_column("elapsed").max()))  # type: ignore[arg-type]
-    b = (
-        steps.with_columns((pl.col("elapsed") / w).floor().alias("bin"))
-        .group_by("bin")
-        .agg(pl.col("num_prefill_tokens").sum().alias("prefill"), pl.col("num_decode_tokens").sum().alias("decode"))
-        .sort("bin")
+def roofline_text(r: dict[str, Any]) -> tuple[str, str]:
+    if "fraction" not in r:
+        return "not computed", str(r.get("note", ""))
+    return L.pct(r["fraction"]), (
+        f"{r['bound']}-bound floor {L.seconds(r['floor_s'])} vs the engine's time; on {r['basis']}"
     )
-    x = (b.get_column("bin") * w).to_list()
-    ax.step(x, (b.get_column("prefill") / w).to_list(), where="post", label="prefill tok/s")
-    ax.step(x, (b.get_column("decode") / w).to_list(), where="post", label="decode tok/s")
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("tokens / s")
-    r = rows.filter(pl.col("elapsed").is_not_null())
-    if r.height:
-        rb = r.with_columns((pl.col("elapsed") / w).floor().alias("bin")).group_by("bin").len().sort("bin")
-        ax2 = ax.twinx()
-        ax2.step((rb.get_column("bin") * w).to_list(), (rb.get_column("len") / w).to_list(), where="post",
-                 color="tab:green", label="rows/s")
-        ax2.set_ylabel("rows / s")
-        ax2.legend(loc="upper right")
-    ax.legend(loc="upper left")
-    return fig
 
 
-def plot_occupancy(steps: pl.DataFrame) -> Figure:
-    """Running and waiting sequences, and the share of KV blocks in use, per step over the run."""
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    ax.set_title("Sequences and KV cache use")
-    if steps.height == 0:
-        _empty(ax, "steps")
-        return fig
-    if steps.height > MAX_POINTS:  # a long run: one point per time bin (means), so drawing stays fast
-        w = float(steps.get_column("elapsed").max()) / MAX_POINTS  # type: ignore[arg-type]
-        steps = (
-            steps.with_columns((pl.col("elapsed") / w).floor().alias("bin"))
-            .group_by("bin")
-            .agg(pl.col("elapsed", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free").mean())
-            .sort("elapsed")
+def headline(report: dict[str, Any]) -> str:
+    h, t, m, d, tp = report["headline"], report["times"], report["model"], report["device"], report["throughput"]
+    name, model_small = L.model_text(m)
+    roof, roof_small = roofline_text(h["roofline"])
+    runs = len(t.get("runs") or [])
+    items = [
+        ("model", "Model", name, model_small + (f" ({m['note']})" if m.get("note") else "")),
+        ("device", "Device", L.device_text(d), str(d.get("platform") or "") if d.get("kind") == "cpu" else ""),
+        ("start", "Started", L.clock(t.get("start")), ""),
+        ("end", "Finished", L.clock(t.get("end")), ""),
+        ("wall", "Wall time", L.seconds(h["wall_s"]),
+         f"over {runs} runs (time between runs not counted)" if runs > 1 else "from start to the last row, model load included"),
+        ("rows", "Rows", f"{L.count(h['rows_ok'])} ok \u00b7 {L.plural(h['rows_error'], 'error')} \u00b7 "
+                         f"{L.count(h['rows_rejected'])} rejected",
+         f"{L.pct(h['rows_error'] / h['rows']) if h['rows'] else L.DASH} of rows have an error"),
+        ("docs-per-hour", "Documents per hour", L.num(h["documents_per_hour"]), "rows over the wall time"),
+        ("output-tps", "Output tokens/s", L.num(h["output_tokens_per_s"]),
+         f"while generating ({L.seconds(tp['engine_s'])} of engine time)"),
+        ("roofline", "Roofline", roof, roof_small),
+    ]
+    job = report.get("job") or {}
+    sub = [f"output {report['out_dir']}"]
+    if job.get("input"):
+        sub.append(f"input {job['input']}")
+    sub.append(f"report generated {report['generated_at'].replace('T', ' ').replace('Z', ' UTC')}")
+    dot = " \u00b7 "
+    return (
+        f"<h1>{esc(job.get('name') or 'batchinfer run')}</h1>"
+        f'<p class="sub">batchinfer run report{dot}{dot.join(esc(s) for s in sub)}</p>'
+        + facts(items)
+    )
+
+
+# ------------------------------------------------------------------------------------ sample answers
+
+
+def samples(report: dict[str, Any]) -> str:
+    s = report.get("samples") or {}
+    if "note" in s:
+        return f'<h2 id="samples">Sample answers</h2><p class="note">{esc(s["note"])}</p>'
+    parts = ['<h2 id="samples">Sample answers</h2>']
+    ok = s.get("ok") or []
+    if ok:
+        rows = [[r["id"], r.get("excerpt") or L.DASH, r["answer"], f"{L.count(r['completion_tokens'])} tokens, "
+                 + str(L.FINISH_LABELS.get(r["finish_reason"], r["finish_reason"] or L.DASH))] for r in ok]
+        parts.append(grid(["Row", "Input (excerpt)", "Answer", "Output"], rows, text=(1, 2), id_="samples-ok"))
+    else:
+        parts.append('<p class="note">no successful row in the output</p>')
+    for kind, e in (s.get("errors") or {}).items():
+        parts.append(f"<h3>Error: {esc(kind)} ({L.plural(e['count'], 'row')})</h3>")
+        rows = [[r["id"], r.get("excerpt") or L.DASH, r["error"]] for r in e["rows"]]
+        parts.append(grid(["Row", "Input (excerpt)", "Error"], rows, text=(1, 2)))
+    rej = s.get("rejects")
+    if rej and rej["count"]:
+        rejects, page = layout.rejects_path(report["out_dir"]), layout.report_html_path(report["out_dir"])
+        href = os.path.relpath(rejects.path, page.parent.path) if rejects.local_path() is not None else rejects.uri
+        parts.append(
+            f"<h3>Rejected input lines ({L.count(rej['count'])})</h3><p>Lines with no usable id never became rows; "
+            f'all of them are in <a id="rejects-link" href="{esc(href)}">{esc(href)}</a>.</p>'
         )
-    x = steps.get_column("elapsed").to_list()
-    ax.plot(x, steps.get_column("num_running").to_list(), label="running", drawstyle="steps-post")
-    ax.plot(x, steps.get_column("num_waiting").to_list(), label="waiting", drawstyle="steps-post")
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("sequences")
-    ax.legend(loc="upper left")
-    ax2 = ax.twinx()
-    used = steps.select(
-        (100.0 * pl.col("kv_blocks_used") / (pl.col("kv_blocks_used") + pl.col("kv_blocks_free"))).fill_nan(0.0)
-    ).to_series()
-    ax2.plot(x, used.to_list(), color="tab:red", alpha=0.7, label="KV used %")
-    ax2.set_ylim(0, 105)
-    ax2.set_ylabel("KV blocks used (%)")
-    ax2.legend(loc="upper right")
-    return fig
+        rows = [[f"{x.get('file', '')} line {x.get('line', '?')}", x.get("reason") or "", x.get("text", "")] for x in rej["examples"]]
+        parts.append(grid(["Where", "Why", "Line"], rows, text=(2,)))
+    return "".join(parts)
 
 
-def plot_lengths(rows: pl.DataFrame) -> Figure:
-    """Histograms of prompt and output lengths (tokens)."""
-    fig = Figure(figsize=(9, 3.2), layout="constrained")
-    for i, (col, title) in enumerate((("prompt_tokens", "Prompt length"), ("completion_tokens", "Output length"))):
-        ax = fig.add_subplot(1, 2, i + 1)
-        ax.set_title(title)
-        ax.set_xlabel("tokens")
-        values = rows.get_column(col).drop_nulls().to_list()
-        if values:
-            ax.hist(values, bins=min(50, max(5, len(set(values)))), color="tab:blue" if i == 0 else "tab:orange")
-            ax.set_ylabel("rows")
-        else:
-            _empty(ax, "rows")
-    return fig
+# ------------------------------------------------------------------------------------ answer fields
 
 
-def plot_latency(report: dict[str, Any]) -> Figure:
-    """p50/p90/p99 of queue wait, time to first token, decode time and row latency."""
-    fig = Figure(figsize=(9, 3.4), layout="constrained")
-    ax = fig.add_subplot()
-    ax.set_title("Latency percentiles")
-    names = list(LATENCY_COLUMNS)
-    lat = report["latency_s"]
-    if not any(lat[n]["count"] for n in names):
-        _empty(ax, "timings")
-        return fig
-    width = 0.27
-    for j, p in enumerate(("p50", "p90", "p99")):
-        vals = [lat[n][p] or 0.0 for n in names]
-        ax.bar([i + (j - 1) * width for i in range(len(names))], vals, width, label=p)
-    ax.set_xticks(range(len(names)), ["queue wait", "time to first token", "decode", "row latency"])
-    ax.set_ylabel("seconds")
-    ax.legend()
-    return fig
+def _field_summary(f: dict[str, Any]) -> str:
+    answered = f["n"] - f["nulls"]
+    if "counts" in f:
+        return ", ".join(f"{_value(k)} {L.pct(c / answered) if answered else L.DASH}" for k, c in f["counts"][:8])
+    if "hist" in f:
+        return f"min {L.num(f['min'])}, median {L.num(f['p50'])}, mean {L.num(f['mean'])}, max {L.num(f['max'])}"
+    if "top" in f:
+        top = ", ".join(f"\u201c{k}\u201d {L.pct(c / answered) if answered else L.DASH}" for k, c in f["top"][:3])
+        lens = f["lengths"]
+        return f"{L.count(f['distinct'])} distinct; top: {top}; length {lens['min']}\u2013{lens['max']} characters"
+    if "lengths" in f:
+        lens = f["lengths"]
+        return f"length {lens['min']}\u2013{lens['max']} items (median {L.num(lens['p50'])})"
+    return L.DASH
 
 
-def plot_step_times(steps: pl.DataFrame) -> Figure:
-    """Distribution of step wall time and of its host-side scheduling part."""
-    fig = Figure(figsize=(9, 3.2), layout="constrained")
-    ax = fig.add_subplot()
-    ax.set_title("Step time")
-    if steps.height == 0:
-        _empty(ax, "steps")
-        return fig
-    ax.hist(steps.get_column("step_ms").to_list(), bins=50, alpha=0.7, label="step")
-    ax.hist(steps.get_column("schedule_ms").to_list(), bins=50, alpha=0.7, label="scheduling (CPU)")
-    ax.set_xlabel("ms")
-    ax.set_ylabel("steps")
-    ax.legend()
-    return fig
-
-
-def _table(rows: list[tuple[str, Any]]) -> str:
-    cells = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_cell(v))}</td></tr>" for k, v in rows)
-    return f"<table>{cells}</table>"
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
+def _value(v: Any) -> str:
     if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    if isinstance(v, dict):
-        return ", ".join(f"{k}: {_cell(x)}" for k, x in v.items())
+        return "true" if v else "false"
     return str(v)
 
 
-def _dist_table(dists: dict[str, dict[str, Any]], unit: str) -> str:
-    keys = ["count", "mean", "p50", "p90", "p95", "p99", "max"]
-    head = "".join(f"<th>{k}</th>" for k in keys)
-    body = "".join(
-        f"<tr><th>{html.escape(name)} ({unit})</th>" + "".join(f"<td>{html.escape(_cell(d.get(k)))}</td>" for k in keys) + "</tr>"
-        for name, d in dists.items()
-        if isinstance(d, dict)
-    )
-    return f"<table><tr><th></th>{head}</tr>{body}</table>"
+KIND_LABELS = {"enum": "one of a list", "boolean": "true / false", "integer": "integer", "number": "number",
+               "string": "text", "array": "list", "json": "JSON value"}
 
 
-CSS = """
-body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}
-h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:.5em 0}th,td{padding:.2em .7em;text-align:left;border-bottom:1px solid #eee}
-td{font-variant-numeric:tabular-nums}img{display:block;max-width:100%;margin:.6em 0}
-pre{background:#f6f6f6;padding:.8em;overflow:auto;font-size:.85em}.bad{color:#b00}
-"""
+def answer_fields(report: dict[str, Any]) -> str:
+    a = report.get("answers")
+    if not a:
+        return ""
+    fields = a["fields"]
+    head = ('<h2 id="answers">What the answers say</h2>'
+            f"<p>{L.count(a['rows'])} answers without an error; one line per field of the "
+            + ("schema" if a["schema_known"] else "answers (the job's schema could not be read: kinds from the column types)")
+            + ".</p>")
+    rows = [[f["path"], KIND_LABELS.get(f["kind"], f["kind"]), L.pct(f["null_share"]), _field_summary(f)] for f in fields]
+    table = grid(["Field", "Kind", "Null", "What the answers say"], rows, numeric=(2,), id_="answer-fields")
+    figs = []
+    for f in fields:
+        if len(figs) >= MAX_FIELD_PLOTS:
+            break
+        answered = f["n"] - f["nulls"]
+        if "counts" in f:
+            fig = plots.value_counts(f["path"], [(_value(k), c) for k, c in f["counts"]], answered)
+            figs.append(img(f"field-{f['path']}", f"answers of {f['path']}", fig))
+        elif "hist" in f:
+            h = f["hist"]
+            fig = plots.histogram(f["path"], h["edges"], h["counts"], f["kind"] == "integer")
+            figs.append(img(f"field-{f['path']}", f"histogram of {f['path']}", fig))
+    more = len([f for f in fields if "counts" in f or "hist" in f]) - len(figs)
+    note = f'<p class="note">{more} more field plots left out</p>' if more > 0 else ""
+    return head + table + f'<div class="plots">{"".join(figs)}</div>' + note
+
+
+# --------------------------------------------------------------------------------------- the numbers
+
+
+def _dist_table(dists: dict[str, dict[str, Any]], names: dict[str, str], fmt: Any) -> str:
+    head = ["", *[h for _, h in L.DIST_HEADS]]
+    rows = []
+    for key, d in dists.items():
+        if not isinstance(d, dict):
+            continue
+        cells = [L.count(d.get("count"))] + [fmt(d.get(k)) for k, _ in L.DIST_HEADS[1:]]
+        rows.append([names.get(key, key), *cells])
+    return grid(head, rows, numeric=range(1, len(head)))
+
+
+def numbers(report: dict[str, Any]) -> list[str]:
+    t, tp, kv, h = report["totals"], report["throughput"], report["kv"], report["headline"]
+    reasons = [(L.FINISH_LABELS.get(k, k).capitalize(), f"{L.count(v)} ({L.pct(v / t['rows']) if t['rows'] else L.DASH})")
+               for k, v in t["finish_reasons"].items()]
+    rows_table = kv_table([
+        ("Rows", L.count(t["rows"])), ("Succeeded", L.count(t["ok"])), ("With an error", L.count(t["errors"])),
+        *reasons,
+        ("Prompt tokens", L.count(t["prompt_tokens"])), ("Output tokens", L.count(t["completion_tokens"])),
+        ("Runs (first run and resumes)", L.count(t["runs"])),
+    ], "totals")
+    throughput_table = kv_table([
+        ("Engine time (first step to last, summed over runs)", L.seconds(tp["engine_s"])),
+        ("Documents per hour (wall time)", L.num(h["documents_per_hour"])),
+        ("Rows per second (engine time)", L.num(tp["rows_per_s"])),
+        ("Rows per hour (engine time)", L.num(tp["rows_per_hour"])),
+        ("Prompt tokens per second", L.num(tp["prompt_tokens_per_s"])),
+        ("Output tokens per second", L.num(tp["completion_tokens_per_s"])),
+        ("All tokens per second", L.num(tp["total_tokens_per_s"])),
+    ], "throughput")
+    steps = {k: v for k, v in report["step_ms"].items() if isinstance(v, dict)}
+    kv_rows = [("KV cache blocks", L.count(kv.get("total_blocks")))]
+    if kv.get("total_blocks"):
+        kv_rows += [
+            ("Most blocks in use", f"{L.count(kv['peak_used'])} ({L.pct(kv['peak_used_frac'])})"),
+            ("Mean share of blocks in use", L.pct(kv["mean_used_frac"])),
+            ("Most sequences running at once", L.count(kv.get("peak_running"))),
+            ("Most sequences waiting", L.count(kv.get("peak_waiting"))),
+        ]
+    kv_rows += [("Engine steps", L.count(t["steps"])), ("Preemptions", L.count(t["step_preemptions"])),
+                ("Share of step time spent scheduling (CPU)", L.pct(report["step_ms"].get("schedule_share")))]
+    return [
+        "<h2>Rows</h2>" + rows_table,
+        "<h2>Throughput</h2>" + throughput_table,
+        "<h2>Latency</h2>" + _dist_table(report["latency_s"], L.LATENCY_LABELS, L.seconds)
+        + '<p class="note">rows that reached the engine; seconds from a row\'s arrival in the engine</p>',
+        "<h2>Lengths (tokens)</h2>" + _dist_table(report["lengths"], L.LENGTH_LABELS, lambda x: L.num(x)),
+        "<h2>Engine steps and KV cache</h2>" + _dist_table(steps, L.STEP_LABELS, L.milliseconds) + kv_table(kv_rows, "kv"),
+    ]
+
+
+def output_check(report: dict[str, Any]) -> str:
+    out = report.get("output")
+    if out is None:
+        return ""
+    cls = "" if out["matches_records"] else ' class="bad"'
+    table = kv_table([
+        ("Part files", L.count(out["parts"])), ("Rows in the output", L.count(out["rows"])),
+        ("Rows with an error", L.count(out["errors"])), ("Rejected input lines", L.count(out.get("rejects", 0))),
+        ("Rows without a run record", L.count(out["rows_without_record"])),
+        ("Run records match the output", "yes" if out["matches_records"] else "no"),
+    ])
+    return f"<h2>Output check</h2><div{cls}>{table}</div>"
+
+
+def errors_table(report: dict[str, Any]) -> str:
+    errs = report["errors_by_kind"]
+    if not errs:
+        return "<h2>Errors by kind</h2><p>none</p>"
+    rows = [[k, L.count(e["count"]), str(e["example_id"]), e["example"]] for k, e in errs.items()]
+    return "<h2>Errors by kind</h2>" + grid(["Kind", "Rows", "e.g. row", "Message"], rows, numeric=(1,), text=(3,))
+
+
+# ------------------------------------------------------------------------------------------- page
 
 
 def render_html(report: dict[str, Any], steps: pl.DataFrame, rows: pl.DataFrame) -> str:
     """The whole page as one string."""
-    t, tp, kv = report["totals"], report["throughput"], report["kv"]
-    plots = [
-        ("throughput", plot_throughput(steps, rows)),
-        ("occupancy", plot_occupancy(steps)),
-        ("lengths", plot_lengths(rows)),
-        ("latency", plot_latency(report)),
-        ("step-times", plot_step_times(steps)),
+    nums = numbers(report)
+    body = [
+        headline(report),
+        samples(report),
+        answer_fields(report),
+        nums[1], img("throughput", "throughput over time", plots.throughput(steps, rows)),
+        nums[2], img("latency", "latency percentiles", plots.latency(report)),
+        nums[3], img("lengths", "prompt and output lengths", plots.lengths(rows)),
+        nums[4], img("occupancy", "sequences and KV cache use", plots.occupancy(steps)),
+        img("step-times", "engine step time", plots.step_times(steps)),
+        nums[0],
+        errors_table(report),
+        output_check(report),
+        "<h2>Details</h2>",
+        f"<p>Job fingerprint <code>{esc(report.get('fingerprint'))}</code></p>",
+        details("The job (resolved)", report.get("config")),
+        details("This run (driver summary)", report.get("run")),
+        details("Model", report.get("model")),
+        details("Package versions", report.get("versions")),
     ]
-    imgs = "\n".join(f'<img id="plot-{name}" alt="{name} plot" src="{_png(fig)}">' for name, fig in plots)
-    out = report.get("output")
-    out_html = ""
-    if out is not None:
-        cls = "" if out["matches_records"] else ' class="bad"'
-        out_html = f"<h2>Output</h2><div{cls}>{_table(list(out.items()))}</div>"
-    errors = report["errors_by_kind"]
-    err_html = (
-        _table([(k, f"{e['count']:,} (e.g. row {e['example_id']}: {e['example']})") for k, e in errors.items()])
-        if errors else "<p>none</p>"
-    )
-    esc = lambda obj: html.escape(json.dumps(obj, indent=1, default=str))  # noqa: E731
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>batchinfer report</title><style>{CSS}</style></head>
-<body>
-<h1>batchinfer report</h1>
-<p>{html.escape(report['out_dir'])}<br>generated {html.escape(report['generated_at'])}; fingerprint
-<code>{html.escape(str(report.get('fingerprint')))}</code></p>
-<h2>Totals</h2>{_table(list(t.items()))}
-<h2>Throughput</h2>{_table(list(tp.items()))}
-<h2>Latency</h2>{_dist_table(report['latency_s'], 's')}
-<h2>Lengths</h2>{_dist_table(report['lengths'], 'tokens')}
-<h2>Steps</h2>{_dist_table({k: v for k, v in report['step_ms'].items() if isinstance(v, dict)}, 'ms')}
-{_table([("share of step time spent scheduling", report['step_ms'].get('schedule_share'))])}
-<h2>KV cache</h2>{_table(list(kv.items()))}
-<h2>Errors by kind</h2>{err_html}
-{out_html}
-<h2>Plots</h2>
-{imgs}
-<h2>Config</h2><pre>{esc(report.get('config'))}</pre>
-<h2>Run</h2><pre>{esc(report.get('run'))}</pre>
-<h2>Versions</h2><pre>{esc(report.get('versions'))}</pre>
-</body></html>
-"""
+    return document(f"batchinfer report: {(report.get('job') or {}).get('name', '')}", "\n".join(body))

@@ -1,8 +1,11 @@
 """Step and row records persisted beside the output, so a report can be rebuilt after the run.
 
-Layout (inside the job's output folder):
-  _steps/part-<run_id>-<n>.parquet   one row per engine step   (STEP_SCHEMA)
-  _rows/part-<run_id>-<n>.parquet    one row per finished row  (ROW_SCHEMA)
+Layout (in the output's records folder, beside the output: see batchinfer/io/layout.py):
+  steps_dir(out)/part-<run_id>-<n>.parquet   one row per engine step   (STEP_SCHEMA)
+  rows_dir(out)/part-<run_id>-<n>.parquet    one row per finished row  (ROW_SCHEMA)
+
+A row record's `excerpt` (the start of the row's input, for the report's sample answers) is kept
+only for a few rows of each run, see Observer.
 
 Why folders of small parts and not one file: a run can die at any moment (kill -9) and be resumed.
 Records are flushed every `flush_rows` records or `flush_s` seconds as complete parts (temp name, then
@@ -21,19 +24,19 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+import polars as pl
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer.engine.request import RequestTimes, Result
 from batchinfer.engine.stats import StepStats
+from batchinfer.io.layout import ROWS_DIR, STEPS_DIR  # noqa: F401  (names re-exported)
+from batchinfer.io.store import Location, location
 
 log = logging.getLogger(__name__)
-
-STEPS_DIR = "_steps"
-ROWS_DIR = "_rows"
 
 STEP_SCHEMA = pa.schema(
     [
@@ -50,6 +53,13 @@ STEP_SCHEMA = pa.schema(
         ("num_finished", pa.int32()),
         ("schedule_ms", pa.float64()),
         ("step_ms", pa.float64()),
+        # speculative decoding (StepStats spec_*; 0 when off)
+        ("spec_drafted", pa.int32()),
+        ("spec_verified", pa.int32()),
+        ("spec_accepted", pa.int32()),
+        ("spec_rows", pa.int32()),
+        ("spec_decode_rows", pa.int32()),
+        ("spec_emitted", pa.int32()),
     ]
 )
 
@@ -68,6 +78,7 @@ ROW_SCHEMA = pa.schema(
         ("latency_s", pa.float64()),
         ("finished_t", pa.float64()),
         ("error", pa.string()),
+        ("excerpt", pa.string()),
     ]
 )
 
@@ -103,7 +114,7 @@ def row_metrics(result: Any) -> dict[str, float | None]:
 
 
 def step_record(run_id: str, stats: StepStats, t0: float) -> dict[str, Any]:
-    """One `_steps` record from the engine's StepStats (t relative to the run start t0)."""
+    """One `steps` record from the engine's StepStats (t relative to the run start t0)."""
     return {
         "run_id": run_id,
         "step": stats.step,
@@ -118,6 +129,7 @@ def step_record(run_id: str, stats: StepStats, t0: float) -> dict[str, Any]:
         "num_finished": stats.num_finished,
         "schedule_ms": stats.schedule_ms,
         "step_ms": stats.step_ms,
+        **{f"spec_{k}": getattr(stats, f"spec_{k}") for k in ("drafted", "verified", "accepted", "rows", "decode_rows", "emitted")},
     }
 
 
@@ -136,6 +148,7 @@ class RowOutcome:
     error: str | None = None
     times: RequestTimes | None = None
     num_preemptions: int = 0
+    excerpt: str | None = None  # the start of the row's input (see requests.input_excerpt)
 
     @property
     def failed(self) -> bool:
@@ -154,11 +167,25 @@ class RowOutcome:
         """From the driver's run.RowRecord (duck-typed; `error` is used when the record has one)."""
         return cls(str(record.row_id), record.finish_reason, int(record.prompt_tokens or 0),
                    int(record.completion_tokens or 0), getattr(record, "error", None), record.times,
-                   int(getattr(record, "num_preemptions", 0) or 0))
+                   int(getattr(record, "num_preemptions", 0) or 0), getattr(record, "excerpt", None))
+
+    @property
+    def kind(self) -> str | None:
+        """The error's kind (error_kind), None for a row without error."""
+        return error_kind(self.error) if self.failed else None
 
 
-def row_record(run_id: str, row: RowOutcome, t0: float) -> dict[str, Any]:
-    """One `_rows` record: token counts, finish reason, error, timings (t relative to the run start t0)."""
+def error_kind(message: str | None) -> str:
+    """A short class of an error message: the text before its first ':' (what our errors start with)."""
+    if not message:
+        return "unknown"
+    head = message.split(":", 1)[0].strip()
+    return (head or message.strip())[:80]
+
+
+def row_record(run_id: str, row: RowOutcome, t0: float, keep_excerpt: bool = True) -> dict[str, Any]:
+    """One `rows` record: token counts, finish reason, error, timings (t relative to the run start t0),
+    and the input excerpt when keep_excerpt."""
     t = row.times
     rec: dict[str, Any] = {
         "run_id": run_id,
@@ -169,6 +196,7 @@ def row_record(run_id: str, row: RowOutcome, t0: float) -> dict[str, Any]:
         "completion_tokens": row.completion_tokens,
         "num_preemptions": row.num_preemptions,
         "error": row.error,
+        "excerpt": row.excerpt if keep_excerpt else None,
     }
     rec.update(row_metrics(row))
     rec["latency_s"] = _diff(t.finished, t.arrived) if t is not None else None
@@ -180,7 +208,7 @@ def row_record(run_id: str, row: RowOutcome, t0: float) -> dict[str, Any]:
 class SinkConfig:
     """Where a PartSink writes and how often it flushes."""
 
-    folder: Path
+    folder: Location
     schema: pa.Schema
     run_id: str
     flush_rows: int = 10_000
@@ -203,26 +231,29 @@ class PartSink:
         if len(self._buffer) >= self.config.flush_rows or due:
             self.flush()
 
-    def flush(self) -> Path | None:
-        """Write the buffered records as one part; returns its path (None when nothing was buffered)."""
+    def flush(self) -> Location | None:
+        """Write the buffered records as one part; returns its location (None when nothing was buffered)."""
         self._last_flush = time.monotonic()
         if not self._buffer:
             return None
         cfg = self.config
-        cfg.folder.mkdir(parents=True, exist_ok=True)
         table = pa.Table.from_pylist(self._buffer, schema=cfg.schema)
-        name = f"part-{cfg.run_id}-{self._part:05d}.parquet"
-        final = cfg.folder / name
-        tmp = cfg.folder / f".{name}.tmp"
-        pq.write_table(table, str(tmp))
-        os.replace(tmp, final)
-        self._part += 1
+        final = self._write(table)
         self.rows_written += table.num_rows
         self._buffer.clear()
         return final
 
+    def _write(self, table: pa.Table) -> Location:
+        cfg = self.config
+        folder = location(cfg.folder)
+        folder.makedirs()
+        final = folder / f"part-{cfg.run_id}-{self._part:05d}.parquet"
+        with final.open_atomic() as fh:
+            pq.write_table(table, fh)
+        self._part += 1
+        return final
 
-    def compact(self) -> Path | None:
+    def compact(self) -> Location | None:
         """Flush, then merge this run's parts into one (a long run leaves hundreds of small parts).
 
         The merged part is written (atomically) before the small ones are deleted; a crash in between
@@ -230,22 +261,39 @@ class PartSink:
         """
         self.flush()
         cfg = self.config
-        mine = sorted(cfg.folder.glob(f"part-{cfg.run_id}-*.parquet")) if cfg.folder.is_dir() else []
+        mine = [f for f in part_locations(location(cfg.folder)) if f.name.startswith(f"part-{cfg.run_id}-")]
         if len(mine) < 2:
             return mine[0] if mine else None
-        table = pa.concat_tables([pq.read_table(str(p), schema=cfg.schema) for p in mine])
-        name = f"part-{cfg.run_id}-{self._part:05d}.parquet"
-        tmp = cfg.folder / f".{name}.tmp"
-        pq.write_table(table, str(tmp))
-        os.replace(tmp, cfg.folder / name)
-        self._part += 1
+        merged = self._write(read_part_tables(mine, cfg.schema))
         for p in mine:
-            p.unlink()
-        return cfg.folder / name
+            p.delete()
+        return merged
 
 
-def part_paths(folder: Path) -> list[str]:
+def part_locations(folder: "str | os.PathLike[str] | Location") -> list[Location]:
     """The complete parts of a record folder, in name (= run, then part) order."""
-    if not folder.is_dir():
-        return []
-    return sorted(str(p) for p in folder.glob("part-*.parquet"))
+    return [f for f in location(folder).files() if f.name.startswith("part-") and f.name.endswith(".parquet")]
+
+
+def part_paths(folder: "str | os.PathLike[str] | Location") -> list[str]:
+    """part_locations as path/URI strings."""
+    return [str(f) for f in part_locations(folder)]
+
+
+def read_part_tables(parts: list[Location], schema: pa.Schema) -> pa.Table:
+    """The records of these parts as one table of `schema`: columns an older batchinfer did not write
+    come back as nulls, columns this one does not know are left out (an empty table for no parts)."""
+    tables = []
+    for p in parts:
+        with p.open_input_file() as fh:
+            t = pq.read_table(fh)
+        cols = [t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type) for f in schema]
+        tables.append(pa.Table.from_arrays(cols, schema=schema))
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def read_parts(folder: "str | os.PathLike[str] | Location", schema: pa.Schema) -> pl.DataFrame:
+    """All parts of a record folder as one polars frame of `schema` (see read_part_tables)."""
+    frame = pl.from_arrow(read_part_tables(part_locations(folder), schema))
+    assert isinstance(frame, pl.DataFrame)
+    return frame

@@ -1,7 +1,12 @@
-"""The end-of-run report: `_report.json` (numbers) and `_report.html` (one self-contained page of plots).
+"""The end-of-run report: `report.json` (numbers) and `report.html` (the page a person reads, page.py).
 
-Both are rebuilt from what the run left beside the output (the `_steps/` and `_rows/` records, the
-manifest), so `batchinfer report OUT_DIR` can print the summary and redraw the page at any time, also
+What the report holds: a headline (job, model, device, start/end/wall time, rows ok/errors/rejected,
+documents per hour, output tok/s, roofline fraction: runinfo.py), sample answers and what a
+structured job's answers say per field (answers.py), then totals, throughput, latency, lengths,
+steps, KV use, errors by kind, the output check, and the run's config, versions and fingerprint.
+
+Both files are rebuilt from what the run left (the step and row records, the manifest, the output
+parts; paths from batchinfer/io/layout.py: the records folder beside the output), so `batchinfer report OUT_DIR` can print the summary and redraw the page at any time, also
 after a run that died or was resumed. Row records are de-duplicated (last record of an id wins) and,
 where the folder has a manifest, kept only for ids the committed output holds: the report's row
 totals are then the output's row totals.
@@ -19,19 +24,22 @@ from typing import Any
 
 import polars as pl
 
-from batchinfer.io.manifest import MANIFEST, REJECTS, Manifest, atomic_write_text
-from batchinfer.observe.records import ROW_SCHEMA, ROWS_DIR, STEP_SCHEMA, STEPS_DIR, part_paths
+from batchinfer.io import layout
+from batchinfer.io.layout import REPORT_HTML, REPORT_JSON  # noqa: F401  (names re-exported)
+from batchinfer.io.manifest import Manifest
+from batchinfer.io.store import Location
+from batchinfer.observe import answers, runinfo
+from batchinfer.observe.labels import LATENCY_COLUMNS, PERCENTILES
+from batchinfer.observe.records import ROW_SCHEMA, STEP_SCHEMA, error_kind, part_locations, read_parts
 
 log = logging.getLogger(__name__)
 
-REPORT_JSON = "_report.json"
-REPORT_HTML = "_report.html"
-PERCENTILES = (0.5, 0.9, 0.95, 0.99)
 VERSION_PACKAGES = (
     "batchinfer", "torch", "transformers", "tokenizers", "safetensors", "triton", "flash-attn", "xgrammar",
     "llguidance", "outlines-core", "pyarrow", "polars", "numpy",
 )
-LATENCY_COLUMNS = {"queue_wait": "queue_wait_s", "ttft": "ttft_s", "decode": "decode_s", "row": "latency_s"}
+# what a rewrite of the report keeps from the previous `_report.json`: facts of the run itself
+RUN_FACTS = ("fingerprint", "config", "versions", "model", "schema")
 
 
 def package_versions() -> dict[str, str]:
@@ -78,17 +86,14 @@ def _run_offsets(steps: pl.DataFrame, rows: pl.DataFrame) -> pl.DataFrame:
     return runs.with_columns(pl.col("start").fill_null(0.0))
 
 
-def load_records(out_dir: str | Path) -> tuple[pl.DataFrame, pl.DataFrame, Manifest | None]:
+def load_records(out_dir: "str | Path | Location") -> tuple[pl.DataFrame, pl.DataFrame, Manifest | None]:
     """(steps, rows, manifest) of an output folder; both frames get an `elapsed` column (joined time axis)."""
-    out = Path(out_dir)
-    step_paths = part_paths(out / STEPS_DIR)
-    row_paths = part_paths(out / ROWS_DIR)
-    steps = pl.read_parquet(step_paths) if step_paths else pl.from_arrow(STEP_SCHEMA.empty_table())
-    rows = pl.read_parquet(row_paths) if row_paths else pl.from_arrow(ROW_SCHEMA.empty_table())
-    assert isinstance(steps, pl.DataFrame) and isinstance(rows, pl.DataFrame)
+    out = layout.output_dir(out_dir)
+    steps = read_parts(layout.steps_dir(out), STEP_SCHEMA)
+    rows = read_parts(layout.rows_dir(out), ROW_SCHEMA)
     steps = steps.unique(subset=["run_id", "step"], keep="last", maintain_order=True)  # see PartSink.compact
     rows = rows.unique(subset="id", keep="last", maintain_order=True)
-    manifest = Manifest.load(out) if (out / MANIFEST).exists() else None
+    manifest = Manifest.load(out)
     if manifest is not None and manifest.parts and manifest.id_column:
         kept = pl.DataFrame({"id": sorted(manifest.finished_ids())}, schema={"id": pl.Utf8})
         dropped = rows.height
@@ -123,14 +128,6 @@ def _dist(frame: pl.DataFrame, column: str) -> dict[str, float | int | None]:
     return out
 
 
-def error_kind(message: str | None) -> str:
-    """A short class of an error message: the text before its first ':' (what our errors start with)."""
-    if not message:
-        return "unknown"
-    head = message.split(":", 1)[0].strip()
-    return (head or message.strip())[:80]
-
-
 def _engine_seconds(steps: pl.DataFrame) -> float:
     """Time the engine ran: per run, first step's start to last step's end, summed over runs."""
     if steps.height == 0:
@@ -139,6 +136,20 @@ def _engine_seconds(steps: pl.DataFrame) -> float:
         (pl.col("t").max() - (pl.col("t") - pl.col("step_ms") / 1000.0).min()).alias("s")
     )
     return float(per_run.get_column("s").sum())
+
+
+def _speculative(steps: pl.DataFrame) -> dict[str, Any] | None:
+    """Speculative decoding totals (None when the run drafted nothing, or its steps predate the columns)."""
+    keys = ("drafted", "verified", "accepted", "rows", "decode_rows", "emitted")
+    if steps.height == 0 or any(f"spec_{k}" not in steps.columns for k in keys):
+        return None
+    tot = {k: int(steps.get_column(f"spec_{k}").fill_null(0).sum()) for k in keys}
+    if not tot["drafted"]:
+        return None
+    tot["acceptance"] = tot["accepted"] / tot["verified"] if tot["verified"] else None
+    tot["mean_accepted_per_seq_step"] = tot["accepted"] / tot["rows"] if tot["rows"] else None
+    tot["tokens_per_seq_per_forward"] = tot["emitted"] / tot["decode_rows"] if tot["decode_rows"] else None
+    return tot
 
 
 def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest | None) -> dict[str, Any]:
@@ -198,6 +209,7 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
             "peak_running": int(steps.get_column("num_running").max()),  # type: ignore[arg-type]
             "peak_waiting": int(steps.get_column("num_waiting").max()),  # type: ignore[arg-type]
         }
+    spec = _speculative(steps)
     step_ms = {"step": _dist(steps, "step_ms"), "schedule": _dist(steps, "schedule_ms")}
     total_step = float(steps.get_column("step_ms").sum()) if steps.height else 0.0
     step_ms["schedule_share"] = (float(steps.get_column("schedule_ms").sum()) / total_step) if total_step else None  # type: ignore[assignment]
@@ -212,10 +224,9 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
             "rows_without_record": out_rows - rows.height,
             "matches_records": out_rows == rows.height and out_errors == n_err,
         }
-        rejects = manifest.folder / REJECTS
+        rejects = layout.rejects_path(manifest.folder)
         if rejects.exists():
-            with open(rejects, "rb") as fh:
-                output["rejects"] = sum(1 for line in fh if line.strip())
+            output["rejects"] = sum(1 for line in rejects.read_bytes().splitlines() if line.strip())
     return {
         "totals": totals,
         "throughput": throughput,
@@ -224,6 +235,7 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
         "step_ms": step_ms,
         "errors_by_kind": errors_by_kind,
         "kv": kv,
+        "speculative": spec,
         "output": output,
     }
 
@@ -231,56 +243,124 @@ def compute_report(steps: pl.DataFrame, rows: pl.DataFrame, manifest: Manifest |
 # ------------------------------------------------------------------------------------------ writing
 
 
-def build_report(out_dir: str | Path, run: dict[str, Any] | None = None) -> tuple[dict[str, Any], pl.DataFrame, pl.DataFrame]:
-    """(report dict, steps, rows). `run`: what the driver knows (config, fingerprint, ...), kept as is."""
-    out = Path(out_dir)
+def _answers_sections(out: Location, config: dict[str, Any] | None, schema: dict[str, Any] | None,
+                      manifest: Manifest | None, rows: pl.DataFrame) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(samples, answers): a few example rows, and what a structured job's answers say per field."""
+    lf = answers.output_frame(manifest)
+    samples = answers.sample_answers(lf, rows)
+    samples["rejects"] = answers.reject_samples(layout.rejects_path(out))
+    structured = runinfo.section(config, "structured")
+    if lf is None or not structured:
+        return samples, None
+    table = answers.answer_columns(lf, structured, schema)
+    if table is None:
+        return samples, None
+    specs = answers.answer_specs(table, schema, structured)
+    return samples, {"rows": table.height, "schema_known": schema is not None, "fields": answers.field_stats(table, specs)}
+
+
+def _headline(report: dict[str, Any], rows: pl.DataFrame) -> dict[str, Any]:
+    """The numbers the page opens with (the facts they come from are beside them in the report)."""
+    t, tp, out, kv = report["totals"], report["throughput"], report.get("output") or {}, report["kv"]
+    wall = report["times"]["wall_s"]
+    engine = runinfo.section(report.get("config"), "engine")
+    return {
+        "rows": t["rows"],
+        "rows_ok": t["ok"],
+        "rows_error": t["errors"],
+        "rows_rejected": out.get("rejects", 0),
+        "wall_s": wall,
+        "documents_per_hour": t["rows"] * 3600 / wall if wall else None,
+        "output_tokens_per_s": tp["completion_tokens_per_s"],
+        "roofline": runinfo.roofline_facts(rows, report["model"], report["device"], tp["engine_s"],
+                                           kv.get("total_blocks"), int(engine.get("block_size") or 16)),
+    }
+
+
+def build_report(out_dir: "str | Path | Location", run: dict[str, Any] | None = None) -> tuple[dict[str, Any], pl.DataFrame, pl.DataFrame]:
+    """(report dict, steps, rows). `run`: what the driver knows (config, fingerprint, ...), kept as is;
+    the RUN_FACTS keys in it are the facts a previous report recorded (see previous_facts)."""
+    out = layout.output_dir(out_dir)
     steps, rows, manifest = load_records(out)
-    report: dict[str, Any] = {"version": 1, "out_dir": str(out.resolve()), "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    report: dict[str, Any] = {"version": 2, "out_dir": out.uri, "records_dir": layout.records_dir(out).uri, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     run = dict(run or {})
     report["fingerprint"] = run.pop("fingerprint", None) or (manifest.fingerprint if manifest else None)
-    report["config"] = run.pop("config", None)
+    config = report["config"] = run.pop("config", None)
     report["versions"] = run.pop("versions", None) or package_versions()
+    stored_model, stored_schema = run.pop("model", None), run.pop("schema", None)
     report["run"] = run
+    structured = runinfo.section(config, "structured")
+    report["job"] = {
+        "name": out.name,
+        "input": runinfo.section(config, "input").get("path"),
+        "template": runinfo.section(config, "prompt").get("template"),
+        "structured": next((k for k in ("json_schema", "regex", "choice") if structured.get(k) is not None), None),
+    }
+    report["device"] = runinfo.device_facts(config, report["versions"])
+    model = runinfo.model_facts(config, report["device"])
+    report["model"] = stored_model if "note" in model and stored_model and "note" not in stored_model else model
+    report["times"] = runinfo.run_times(steps, rows, run)
     report.update(compute_report(steps, rows, manifest))
+    report["headline"] = _headline(report, rows)
+    schema = stored_schema or answers.load_schema(config)  # the schema as it was at run time, once recorded
+    report["schema"] = schema
+    try:
+        report["samples"], report["answers"] = _answers_sections(out, config, schema, manifest, rows)
+    except Exception as e:  # the numbers above must still be written
+        log.warning("report: the sample answers and answer fields could not be read: %s: %s", type(e).__name__, e, exc_info=True)
+        report["samples"], report["answers"] = {"note": f"could not read the answers: {e}"}, None
     return report, steps, rows
 
 
-def write_report(out_dir: str | Path, run: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write `_report.json` and `_report.html` into out_dir; returns the report dict."""
+def write_report(out_dir: "str | Path | Location", run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write `report.json` and `report.html` in out_dir's records folder (io/layout.py); returns the report dict."""
     from batchinfer.observe.page import render_html  # matplotlib is imported only when a page is drawn
 
-    out = Path(out_dir)
+    out = layout.output_dir(out_dir)
     report, steps, rows = build_report(out, run)
-    atomic_write_text(out / REPORT_JSON, json.dumps(report, indent=1, default=str) + "\n")
-    atomic_write_text(out / REPORT_HTML, render_html(report, steps, rows))
-    log.info("wrote %s and %s", out / REPORT_JSON, out / REPORT_HTML)
+    json_path, html_path = layout.report_json_path(out), layout.report_html_path(out)
+    json_path.parent.makedirs()
+    json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    html_path.write_text(render_html(report, steps, rows))
+    log.info("wrote %s and %s", json_path, html_path)
     return report
-
-
-def _fmt(x: Any, spec: str = ",.0f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def summary_text(report: dict[str, Any]) -> str:
     """The few lines a person reads at the end of a run."""
-    t, tp, lat, kv = report["totals"], report["throughput"], report["latency_s"], report["kv"]
+    from batchinfer.observe import labels as L
+
+    t, tp, lat, kv, h = report["totals"], report["throughput"], report["latency_s"], report["kv"], report["headline"]
+    m, d = report["model"], report["device"]
     reasons = ", ".join(f"{k} {v:,}" for k, v in t["finish_reasons"].items()) or "none"
+    roof = h["roofline"]
     lines = [
         f"batchinfer report: {report['out_dir']}",
-        f"rows {t['rows']:,} (ok {t['ok']:,}, error {t['errors']:,}); finish: {reasons}",
-        f"tokens: prompt {t['prompt_tokens']:,}, completion {t['completion_tokens']:,}",
-        f"engine time {tp['engine_s']:.1f} s, {t['steps']:,} steps, {t['runs']} run(s); "
-        f"{_fmt(tp['rows_per_s'], ',.2f')} rows/s, {_fmt(tp['rows_per_hour'])} rows/h, "
-        f"{_fmt(tp['completion_tokens_per_s'], ',.1f')} output tok/s, {_fmt(tp['total_tokens_per_s'], ',.1f')} total tok/s",
-        "latency p50/p90/p99 (s): "
+        "model {} ({}) on {}".format(*L.model_text(m), L.device_text(d)) if m.get("name") else f"model not recorded; device {L.device_text(d)}",
+        f"rows {t['rows']:,} (ok {t['ok']:,}, error {t['errors']:,}); {L.plural(h['rows_rejected'], 'input line')} rejected; finish: {reasons}",
+        f"wall time {L.seconds(h['wall_s'])} over {L.plural(t['runs'], 'run')}; {L.num(h['documents_per_hour'])} documents/h; "
+        f"{L.num(tp['completion_tokens_per_s'])} output tok/s while generating"
+        + (f"; {L.pct(roof['fraction'])} of the roofline" if "fraction" in roof else ""),
+        f"tokens: prompt {t['prompt_tokens']:,}, completion {t['completion_tokens']:,}; engine time "
+        f"{L.seconds(tp['engine_s'])}, {t['steps']:,} steps, {L.num(tp['rows_per_s'])} rows/s, "
+        f"{L.num(tp['total_tokens_per_s'])} total tok/s",
+        "latency p50/p90/p99: "
         + "; ".join(
-            f"{name} {_fmt(d['p50'], '.3f')}/{_fmt(d['p90'], '.3f')}/{_fmt(d['p99'], '.3f')}" for name, d in lat.items()
+            f"{L.LATENCY_LABELS[name].split(' (')[0].lower()} {L.seconds(x['p50'])}/{L.seconds(x['p90'])}/{L.seconds(x['p99'])}"
+            for name, x in lat.items()
         ),
     ]
     if kv["total_blocks"]:
         lines.append(
-            f"KV blocks: peak {kv['peak_used']:,}/{kv['total_blocks']:,} ({kv['peak_used_frac']:.0%}), "
-            f"mean {kv['mean_used_frac']:.0%}; preemptions {t['step_preemptions']:,}"
+            f"KV blocks: peak {kv['peak_used']:,} of {kv['total_blocks']:,} ({L.pct(kv['peak_used_frac'])}), "
+            f"mean {L.pct(kv['mean_used_frac'])}; preemptions {t['step_preemptions']:,}"
+        )
+    sp = report.get("speculative")
+    if sp:
+        lines.append(
+            f"speculative decoding: drafted {sp['drafted']:,}, verified {sp['verified']:,}, accepted {sp['accepted']:,} "
+            f"({L.pct(sp['acceptance'])}); mean accepted per sequence-step {L.num(sp['mean_accepted_per_seq_step'])}; "
+            f"tokens per sequence per forward {L.num(sp['tokens_per_seq_per_forward'])}"
         )
     for kind, e in report["errors_by_kind"].items():
         lines.append(f"error {kind}: {e['count']:,} (e.g. row {e['example_id']})")
@@ -290,30 +370,62 @@ def summary_text(report: dict[str, Any]) -> str:
             f"note: the output holds {out['rows']:,} rows ({out['errors']:,} errors) but only "
             f"{t['rows']:,} have records (rows done without the observer are not in these numbers)"
         )
-    lines.append(f"page: {Path(report['out_dir']) / REPORT_HTML}")
+    lines.append(f"page: {layout.report_html_path(report['out_dir'])}")
     return "\n".join(lines)
 
 
-def report_command(out_dir: str | Path) -> str:
-    """`batchinfer report OUT_DIR`: rebuild `_report.json`/`_report.html` from the records; return the summary.
+def previous_facts(out_dir: "str | Path | Location") -> dict[str, Any]:
+    """The run's own facts (config, fingerprint, versions, model, schema, driver summary) from the
+    `report.json` the run wrote, for a report rebuilt later; {} when there is none."""
+    prev = layout.report_json_path(out_dir)
+    if not prev.exists():
+        return {}
+    try:
+        old = json.loads(prev.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("%s is unreadable (%s); the run's config and versions are left out", prev, e)
+        return {}
+    run = dict(old.get("run") or {})
+    for key in RUN_FACTS:
+        if old.get(key) is not None:
+            run[key] = old[key]
+    return run
 
-    The run's own facts (config, fingerprint, versions, driver summary) are kept from the previous
-    `_report.json` when there is one.
-    """
-    out = Path(out_dir)
+
+def check_records(out_dir: "str | Path | Location") -> Location:
+    """out_dir as a Location; FileNotFoundError (one line) when it is no folder or has no run records.
+    An output folder of an older version has its records moved beside it first (unless a run holds its lock)."""
+    out = layout.output_dir(out_dir)
     if not out.is_dir():
         raise FileNotFoundError(f"{out}: no such output folder")
-    if not part_paths(out / STEPS_DIR) and not part_paths(out / ROWS_DIR):
-        raise FileNotFoundError(f"{out}: no run records ({STEPS_DIR}/, {ROWS_DIR}/); was it written by batchinfer run?")
-    run: dict[str, Any] = {}
-    prev = out / REPORT_JSON
-    if prev.exists():
-        try:
-            old = json.loads(prev.read_text(encoding="utf-8"))
-            run = dict(old.get("run") or {})
-            for key in ("fingerprint", "config", "versions"):
-                if old.get(key) is not None:
-                    run[key] = old[key]
-        except (OSError, ValueError) as e:
-            log.warning("%s is unreadable (%s); the run's config and versions are left out", prev, e)
-    return summary_text(write_report(out, run))
+    _migrate_unless_locked(out)
+    steps, rows = layout.steps_dir(out), layout.rows_dir(out)
+    if not part_locations(steps) and not part_locations(rows):
+        raise FileNotFoundError(f"{out}: no run records ({steps}/, {rows}/); was it written by batchinfer run?")
+    return out
+
+
+def _migrate_unless_locked(out: Location) -> None:
+    """Move an older version's records out of `out` (under its lock; a running job has done it already)."""
+    from batchinfer.io.manifest import lock_output
+    from batchinfer.job.spec import JobError
+
+    if not layout.legacy_manifest_path(out).exists() and not (out / "_rows").is_dir() and not (out / "_steps").is_dir():
+        return
+    try:
+        lock = lock_output(out)
+    except JobError:
+        return
+    try:
+        layout.migrate_legacy(out)
+    finally:
+        lock.close()
+
+
+def report_command(out_dir: "str | Path | Location") -> str:
+    """`batchinfer report OUT_DIR`: rebuild `report.json`/`report.html` from the records; return the summary.
+
+    The run's own facts are kept from the previous `report.json` when there is one (previous_facts).
+    """
+    out = check_records(out_dir)
+    return summary_text(write_report(out, previous_facts(out)))

@@ -3,23 +3,22 @@
 Tokenizer and chat-template bugs (a missing BOS, a doubled special token, a template that drops the
 system message) show up here first: decode the ids and compare with what you meant to send.
 
-Layout: `<out>/_token_ids/part-<run_id>-<n>.parquet`, columns id (string), prompt_token_ids
+Layout: `token_ids_dir(out)/part-<run_id>-<n>.parquet` (in the records folder beside the output: io/layout.py), columns id (string), prompt_token_ids
 list<int32>, output_token_ids list<int32>; parts are written as the run goes (see records.PartSink),
 so a dead run keeps what it logged. `read_token_ids` keeps the last record of each id.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pyarrow as pa
 
 from batchinfer.engine.request import Result
-from batchinfer.observe.records import PartSink, SinkConfig, part_paths
-
-TOKEN_IDS_DIR = "_token_ids"
+from batchinfer.io import layout
+from batchinfer.io.layout import TOKEN_IDS_DIR, token_ids_dir  # noqa: F401  (name re-exported)
+from batchinfer.observe.records import PartSink, SinkConfig, read_parts
 
 TOKEN_SCHEMA = pa.schema(
     [
@@ -31,10 +30,10 @@ TOKEN_SCHEMA = pa.schema(
 
 
 class TokenLog:
-    """Streams (id, prompt ids, output ids) of each finished row into `_token_ids/` parts."""
+    """Streams (id, prompt ids, output ids) of each finished row into `token_ids/` parts."""
 
-    def __init__(self, out_dir: str | Path, run_id: str, flush_rows: int = 2_000, flush_s: float = 30.0) -> None:
-        self.folder = Path(out_dir) / TOKEN_IDS_DIR
+    def __init__(self, out_dir: Any, run_id: str, flush_rows: int = 2_000, flush_s: float = 30.0) -> None:
+        self.folder = layout.token_ids_dir(out_dir)
         self._sink = PartSink(SinkConfig(self.folder, TOKEN_SCHEMA, run_id, flush_rows, flush_s))
 
     def add(self, row_id: Any, result: Result) -> None:
@@ -54,9 +53,11 @@ class TokenLog:
         self._sink.compact()
 
 
-def read_token_ids(out_dir: str | Path) -> pl.DataFrame:
+def scan_token_ids(out_dir: Any) -> pl.LazyFrame:
+    """All logged rows of an output folder, lazily, the last record of each id (empty if none)."""
+    return read_parts(layout.token_ids_dir(out_dir), TOKEN_SCHEMA).lazy().unique(subset="id", keep="last", maintain_order=True)
+
+
+def read_token_ids(out_dir: Any) -> pl.DataFrame:
     """All logged rows of an output folder, the last record of each id (empty frame if none)."""
-    paths = part_paths(Path(out_dir) / TOKEN_IDS_DIR)
-    if not paths:
-        return pl.from_arrow(TOKEN_SCHEMA.empty_table())  # type: ignore[return-value]
-    return pl.scan_parquet(paths).unique(subset="id", keep="last", maintain_order=True).collect()
+    return scan_token_ids(out_dir).collect()

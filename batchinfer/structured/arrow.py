@@ -37,6 +37,11 @@ def _resolve(node: Any, root: dict[str, Any], seen: tuple[str, ...]) -> tuple[An
     return node, seen
 
 
+def resolve_ref(node: Any, root: dict[str, Any]) -> Any:
+    """`node` with its local $ref chain followed (None for a recursive or unknown reference)."""
+    return _resolve(node, root, ())[0]
+
+
 def _types_of(node: dict[str, Any]) -> list[str]:
     t = node.get("type")
     if isinstance(t, str):

@@ -28,16 +28,19 @@ class Constraint:
     kind regex: value is the pattern.
     kind choice: value is a JSON list of the allowed strings.
     whitespace: compact (no free whitespace in JSON) | flexible.
+    max_string_length: json_schema only: the grammar bounds every string without a (smaller)
+      maxLength to this many characters (None: strings bounded only by the schema).
     """
 
     kind: ConstraintKind
     value: str
     whitespace: str = "compact"
+    max_string_length: int | None = None
 
     @staticmethod
-    def json_schema(schema: dict[str, Any] | str, whitespace: str = "compact") -> "Constraint":
+    def json_schema(schema: dict[str, Any] | str, whitespace: str = "compact", max_string_length: int | None = None) -> "Constraint":
         obj = json.loads(schema) if isinstance(schema, str) else schema
-        return Constraint("json_schema", json.dumps(obj, separators=(",", ":"), ensure_ascii=False), whitespace)
+        return Constraint("json_schema", json.dumps(obj, separators=(",", ":"), ensure_ascii=False), whitespace, max_string_length)
 
     @staticmethod
     def regex(pattern: str) -> "Constraint":
@@ -65,6 +68,8 @@ class Constraint:
 class GrammarMatcher(Protocol):
     """Per-sequence state of a compiled grammar."""
 
+    backend: str  # name of the GrammarBackend whose batch calls (fill_rows, accept_tokens) take it
+
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         """Write the allowed next tokens into row `index` of an int32 CPU bitmask."""
 
@@ -77,17 +82,58 @@ class GrammarMatcher(Protocol):
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative decoding)."""
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces from here whatever the model would pick (the forced text,
+        tokenised by the library; may differ from the tokenizer's own encoding), [] if none or the
+        backend cannot tell. The state is unchanged. Speculative decoding drafts them."""
+
 
 class CompiledGrammar(Protocol):
-    backend: str
+    """A constraint compiled for one vocabulary; hands out matchers at its start."""
+
+    backend: str  # what compiled it: a backend name (llguidance-relaxed for the relaxed variant)
 
     def new_matcher(self) -> GrammarMatcher: ...
 
+    def serialize(self) -> bytes:
+        """The compiled form for the disk cache (only called where GrammarBackend.library is set)."""
+        ...
+
 
 class GrammarBackend(Protocol):
-    """A grammar library behind the common interface, chosen by name."""
+    """A grammar library behind the common interface, chosen by name (structured/registry.py).
+
+    Callers never ask which backend they have: a backend says what it can compile (`supports`), and
+    the batch calls take the matchers it made (GrammarMatcher.backend names it).
+    """
 
     name: str
+    # distribution whose version keys the disk cache of compiled forms; None: nothing is cached on
+    # disk (compiling is cheaper than reading a cache entry back)
+    library: str | None
+    # fill_rows runs with the GIL released for the whole call, so it may run on a helper thread
+    # while the caller keeps working (structured/compiler.py PendingFill)
+    fills_in_background: bool
+
+    def supports(self, constraint: Constraint, fallback: bool = False) -> str | None:
+        """None if this backend will try to compile the (well-formed) constraint; otherwise why not.
+        fallback: asked while trying backends in turn (backend auto), where a backend that would
+        not enforce the whole constraint, or would be slow to build it, should rather step aside."""
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
-        """Compile for the tokenizer the backend was made with; raise GrammarError when it cannot."""
+        """Compile for the vocabulary the backend was made with; raise GrammarError when it cannot."""
+
+    def deserialize(self, data: bytes, constraint: Constraint) -> CompiledGrammar:
+        """A compiled grammar back from CompiledGrammar.serialize() (only where library is set)."""
+
+    def fill_rows(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """Fill rows indices[k] of a CPU int32 bitmask for matchers[k], all at once (the library's
+        own threads where it has them); finish_rows completes the rows."""
+
+    def finish_rows(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """After fill_rows (on the caller's thread): any per-row correction the library's fill does
+        not make itself. fill_rows then finish_rows equals fill_next_token_bitmask per row."""
+
+    def accept_tokens(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
+        """accept_token(tokens[k]) for each matchers[k], in one call where the library batches; the
+        accepted flags. A rejected token may leave a matcher unusable (callers end that sequence)."""

@@ -37,6 +37,8 @@ class _Wrapper:
 class LLGuidanceMatcher:
     """One sequence's state; wraps llguidance.LLMatcher (which never raises on grammar errors)."""
 
+    backend = "llguidance"  # relaxed grammars' matchers too: one batch per step for both
+
     def __init__(self, matcher: Any, eos_ids: tuple[int, ...], group: int = 0) -> None:
         self._m = matcher
         self.group = group  # which prototype it was copied from (LLGuidanceCompiled.new_matcher)
@@ -74,6 +76,11 @@ class LLGuidanceMatcher:
             num_tokens -= 1
         if num_tokens and not self._m.rollback(num_tokens):
             raise RuntimeError(f"llguidance cannot roll back {num_tokens} tokens: {self._m.get_error()}")
+
+    def forced_tokens(self) -> list[int]:
+        if self._ended or self._m.is_error() or self._m.is_stopped():
+            return []
+        return [int(t) for t in self._m.compute_ff_tokens()]
 
     @property
     def raw(self) -> Any:
@@ -116,19 +123,37 @@ class LLGuidanceCompiled:
         self._made += 1
         return LLGuidanceMatcher(self._protos[group].deep_copy(), self._eos, group)
 
+    def serialize(self) -> bytes:
+        raise NotImplementedError("llguidance grammars are not cached on disk (LLGuidanceBackend.library is None)")
+
 
 class LLGuidanceBackend:
-    """Compiles constraints with llguidance for one vocabulary."""
+    """Compiles constraints with llguidance for one vocabulary (GrammarBackend).
 
-    name = "llguidance"
+    relaxed: the llguidance-relaxed variant (see grammar_for); base: a plain backend of the same
+    vocabulary whose tokenizer and thread pool the variant shares (its matchers are batched there).
+    """
 
-    def __init__(self, vocab: Vocab, threads: int | None = None) -> None:
+    library = None  # a grammar compiles in about a millisecond: nothing is cached on disk
+    # its mask fill runs in Rust with the GIL released for the whole call, so the engine may run
+    # it on a background thread while the main thread keeps post-processing (see compiler.PendingFill)
+    fills_in_background = True
+
+    def __init__(
+        self, vocab: Vocab, threads: int | None = None, *, relaxed: bool = False, base: "LLGuidanceBackend | None" = None
+    ) -> None:
+        self.name = "llguidance-relaxed" if relaxed else "llguidance"
+        self.relaxed = relaxed
+        if base is not None:
+            self.vocab, self._threads, self._tok, self._owner = base.vocab, base._threads, base._tok, base._owner
+            return
         import llguidance
         from llguidance._tokenizer import TokenizerWrapper
 
         self.vocab = vocab
         self._threads = threads  # fill/accept pool size; None: fill_threads()'s default
         self._tok = llguidance.LLTokenizer(TokenizerWrapper(_Wrapper(vocab)), n_vocab=vocab.vocab_size)
+        self._owner = self  # the backend whose thread pool this one uses
 
     def grammar_for(self, constraint: Constraint, relaxed: bool = False) -> str:
         """The llguidance grammar text of a constraint.
@@ -156,22 +181,24 @@ class LLGuidanceBackend:
             return llguidance.LLMatcher.grammar_from_regex(constraint.value)
         return llguidance.LLMatcher.grammar_from_regex(choice_regex(constraint.options))
 
-    def compile(self, constraint: Constraint, relaxed: bool = False) -> LLGuidanceCompiled:
+    def supports(self, constraint: Constraint, fallback: bool = False) -> str | None:
+        return None  # it says what it cannot compile when it tries (compile raises GrammarError)
+
+    def compile(self, constraint: Constraint) -> LLGuidanceCompiled:
         import llguidance
 
-        grammar = self.grammar_for(constraint, relaxed)
+        grammar = self.grammar_for(constraint, self.relaxed)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
         if is_error:
             raise GrammarError(f"llguidance cannot compile this {constraint.kind}: {messages[0][:300]}")
-        compiled = LLGuidanceCompiled(self._tok, grammar, self.vocab.eos_ids, relaxed, groups=self.fill_threads())
+        compiled = LLGuidanceCompiled(self._tok, grammar, self.vocab.eos_ids, self.relaxed, groups=self.fill_threads())
         probe = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if probe.is_error():
             raise GrammarError(f"llguidance cannot compile this {constraint.kind}: {probe.get_error()[:300]}")
         return compiled
 
-    # its mask fill runs in Rust with the GIL released for the whole call, so the engine may run
-    # it on a background thread while the main thread keeps post-processing (see compiler.PendingFill)
-    fills_in_background = True
+    def deserialize(self, data: bytes, constraint: Constraint) -> LLGuidanceCompiled:
+        raise NotImplementedError("llguidance grammars are not cached on disk (library is None)")
 
     def _pool(self) -> Any:
         """llguidance's thread pool, one per backend. llguidance's default (80% of the CPUs) leaves one
@@ -179,9 +206,10 @@ class LLGuidanceBackend:
         but one on larger hosts, where the engine's own thread keeps post-processing during the fill."""
         import llguidance
 
-        if not hasattr(self, "_executor"):
-            self._executor = llguidance.LLExecutor(num_threads=self.fill_threads())
-        return self._executor
+        owner = self._owner
+        if not hasattr(owner, "_executor"):
+            owner._executor = llguidance.LLExecutor(num_threads=owner.fill_threads())
+        return owner._executor
 
     def fill_threads(self) -> int:
         """The pool's size (and so the number of matcher prototypes per grammar)."""
@@ -206,11 +234,6 @@ class LLGuidanceBackend:
                 by_eos.setdefault(m._eos, []).append(i)
         for eos, rows in by_eos.items():
             mirror_eos_rows(bitmask, rows, eos)
-
-    def batch_fill(self, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        """Fill many rows at once on llguidance's thread pool."""
-        self.fill_rows(matchers, bitmask, indices)
-        self.finish_rows(matchers, bitmask, indices)
 
     def accept_tokens(self, matchers: list[LLGuidanceMatcher], tokens: list[int]) -> list[bool]:
         """accept_token for many matchers, the ordinary tokens consumed in one parallel call.

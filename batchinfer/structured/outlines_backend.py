@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from batchinfer.structured.base import Constraint, GrammarError
+from batchinfer.structured.bounds import bounded_regex
 from batchinfer.structured.vocab import Vocab
 from batchinfer.structured.xgrammar_backend import FLEXIBLE_MAX_WHITESPACE, choice_regex
 
@@ -30,15 +31,50 @@ class OutlinesLimits:
 
     max_regex_chars: a cheap proxy for automaton size; longer regexes are refused without trying
     (the schemas that took minutes and 10 GB all produced long regexes).
+    fallback_max_regex_chars: as a fallback (backend auto) outlines-core is only tried when the
+    constraint's regex is at most this long (complex schemas are where it takes minutes and gigabytes).
     """
 
     timeout_s: float = 20.0
     memory_bytes: int = 3 << 30
     max_regex_chars: int = 4000
+    fallback_max_regex_chars: int = 1500
+
+
+# Keywords outlines-core 0.2 accepts but does not enforce (answers would fail validation later).
+_IGNORED_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+                     "minProperties", "maxProperties", "not", "if", "patternProperties", "dependentRequired")
+_FORMATS = ("date-time", "date", "time", "uuid", "uri")
+
+
+def outlines_unsupported(constraint: Constraint) -> str | None:
+    """The first schema keyword outlines-core would silently ignore, or None."""
+    if constraint.kind != "json_schema":
+        return None
+
+    def scan(node: Any) -> str | None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in _IGNORED_KEYWORDS and k != "properties":
+                    return k
+                if k == "format" and v not in _FORMATS:
+                    return f"format {v!r}"
+                if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
+                    found = next((r for r in map(scan, v.values()) if r), None)
+                else:
+                    found = scan(v)
+                if found:
+                    return found
+        elif isinstance(node, list):
+            return next((r for r in map(scan, node) if r), None)
+        return None
+
+    return scan(constraint.schema)
 
 
 def schema_regex(constraint: Constraint) -> str:
-    """The regex outlines-core matches for a constraint (JSON schemas converted by outlines-core)."""
+    """The regex outlines-core matches for a constraint (JSON schemas converted by outlines-core, with
+    bounded number patterns: see structured/bounds.py)."""
     if constraint.kind == "regex":
         return constraint.value
     if constraint.kind == "choice":
@@ -47,13 +83,15 @@ def schema_regex(constraint: Constraint) -> str:
 
     ws = rf"[ \n\t]{{0,{FLEXIBLE_MAX_WHITESPACE}}}" if constraint.whitespace == "flexible" else ""
     try:
-        return json_schema.build_regex_from_schema(constraint.value, ws)
+        return bounded_regex(json_schema.build_regex_from_schema(constraint.value, ws))  # numbers bounded (bounds.py)
     except Exception as e:  # outlines-core raises a ValueError-like error naming the construct
         raise GrammarError(f"outlines-core cannot convert the schema to a regex: {str(e)[:300]}") from e
 
 
 class OutlinesMatcher:
     """One sequence: a stack of automaton states (so rollback is popping)."""
+
+    backend = "outlines"
 
     def __init__(self, compiled: "OutlinesCompiled") -> None:
         self._g = compiled
@@ -83,6 +121,9 @@ class OutlinesMatcher:
 
     def is_terminated(self) -> bool:
         return self._ended
+
+    def forced_tokens(self) -> list[int]:
+        return []  # the token-level automaton has no forced-string query
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._ended:
@@ -136,9 +177,11 @@ class _NormalIds:
 
 
 class OutlinesBackend:
-    """Compiles constraints with outlines-core for one vocabulary, in a limited child process."""
+    """Compiles constraints with outlines-core for one vocabulary, in a limited child process (GrammarBackend)."""
 
     name = "outlines"
+    library = "outlines_core"  # the Index pickles: the disk cache keeps it
+    fills_in_background = False  # a fill is a row copy per matcher, in Python
 
     def __init__(self, vocab: Vocab, limits: OutlinesLimits = OutlinesLimits()) -> None:
         import outlines_core
@@ -150,6 +193,22 @@ class OutlinesBackend:
             if vocab.is_normal(i):
                 by_bytes.setdefault(b, []).append(i)
         self._vocabulary = outlines_core.Vocabulary(vocab.eos_id, by_bytes)
+
+    def supports(self, constraint: Constraint, fallback: bool = False) -> str | None:
+        """As a fallback, outlines-core steps aside where it would not enforce a keyword of the schema
+        or its regex is past limits.fallback_max_regex_chars."""
+        if not fallback:
+            return None
+        unsupported = outlines_unsupported(constraint)
+        if unsupported:
+            return f"outlines-core does not enforce {unsupported}"
+        try:
+            n = len(schema_regex(constraint))
+        except GrammarError as e:
+            return str(e)
+        if n > self.limits.fallback_max_regex_chars:
+            return f"{n}-character regex is too complex for outlines-core"
+        return None
 
     def compile(self, constraint: Constraint) -> OutlinesCompiled:
         regex = schema_regex(constraint)
@@ -181,5 +240,16 @@ class OutlinesBackend:
     def deserialize(self, data: bytes, constraint: Constraint) -> OutlinesCompiled:
         return OutlinesCompiled(pickle.loads(data), self.vocab)
 
+    def fill_rows(self, matchers: list[OutlinesMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """Row by row: each row is a copy of the state's cached mask row."""
+        for m, i in zip(matchers, indices):
+            m.fill_next_token_bitmask(bitmask, i)
 
-__all__ = ["OutlinesBackend", "OutlinesCompiled", "OutlinesLimits", "OutlinesMatcher", "schema_regex"]
+    def finish_rows(self, matchers: list[OutlinesMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        """Nothing to correct: a cached row already holds the EOS bits."""
+
+    def accept_tokens(self, matchers: list[OutlinesMatcher], tokens: list[int]) -> list[bool]:
+        return [m.accept_token(t) for m, t in zip(matchers, tokens)]
+
+
+__all__ = ["OutlinesBackend", "OutlinesCompiled", "OutlinesLimits", "OutlinesMatcher", "outlines_unsupported", "schema_regex"]

@@ -46,6 +46,8 @@ def json_safe_row(vocab: Vocab, flexible: bool) -> torch.Tensor:
 class XGrammarMatcher:
     """One sequence's state; a thin wrapper over xgrammar.GrammarMatcher."""
 
+    backend = "xgrammar"
+
     def __init__(self, matcher: Any, safe_row: torch.Tensor | None = None) -> None:
         self._m = matcher
         self.safe_row = safe_row
@@ -63,6 +65,10 @@ class XGrammarMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
+
+    def forced_tokens(self) -> list[int]:
+        find = getattr(self._m, "find_jump_forward_tokens", None)  # xgrammar versions without it: none
+        return [int(t) for t in find()] if find is not None else []
 
     @property
     def raw(self) -> Any:
@@ -87,9 +93,13 @@ class XGrammarCompiled:
 
 
 class XGrammarBackend:
-    """Compiles constraints with xgrammar for one vocabulary."""
+    """Compiles constraints with xgrammar for one vocabulary (GrammarBackend)."""
 
     name = "xgrammar"
+    library = "xgrammar"  # compiled grammars serialise to JSON: the disk cache keeps them
+    # its batch fill takes the GIL back once per matcher, so on a background thread it would wait
+    # ~5 ms (the interpreter's switch interval) per matcher whenever the main thread runs Python
+    fills_in_background = False
 
     def __init__(self, vocab: Vocab, max_threads: int = 2, fill_threads: int | None = None) -> None:
         import xgrammar as xgr
@@ -103,6 +113,9 @@ class XGrammarBackend:
         )
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads, cache_enabled=False)
         self._safe_rows: dict[bool, torch.Tensor] = {}
+
+    def supports(self, constraint: Constraint, fallback: bool = False) -> str | None:
+        return None  # it says what it cannot compile when it tries (compile raises GrammarError)
 
     def compile(self, constraint: Constraint) -> XGrammarCompiled:
         try:
@@ -134,10 +147,6 @@ class XGrammarBackend:
         compiled = xgr.CompiledGrammar.deserialize_json(data.decode(), self._info)
         return XGrammarCompiled(compiled, self.vocab.eos_ids, self._safe_row(constraint))
 
-    # its batch fill takes the GIL back once per matcher, so on a background thread it would wait
-    # ~5 ms (the interpreter's switch interval) per matcher whenever the main thread runs Python
-    fills_in_background = False
-
     def fill_rows(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
         """Fill rows indices[k] for matchers[k] with xgrammar's threaded batch matcher (no safe rows yet)."""
         import xgrammar as xgr
@@ -155,11 +164,6 @@ class XGrammarBackend:
         for safe, rows in groups.values():
             idx = torch.as_tensor(rows, dtype=torch.long)
             bitmask[idx] &= safe
-
-    def batch_fill(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        """Fill many rows at once with xgrammar's threaded batch matcher (releases the GIL)."""
-        self.fill_rows(matchers, bitmask, indices)
-        self.finish_rows(matchers, bitmask, indices)
 
     def accept_tokens(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> list[bool]:
         """accept_token for many matchers in one call into xgrammar (a rejected token changes nothing)."""

@@ -1,0 +1,175 @@
+"""The engine's grammar work, one GrammarState per engine: compiled grammars, masks, accepts.
+
+The engine loop (engine/engine.py) calls, per step: `accept` with the tokens it just read (one batched
+call per grammar library), `start_fill` for the rows of the step being launched (the library fills on
+its own threads where its fill holds no GIL, while the loop post-processes), and `bitmask` to wait for
+those masks (and fill any row not started) just before sampling. The matchers live on the sequences
+(Sequence.matcher); nothing here is shared between engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchinfer.engine.sequence import Sequence, SequenceStatus
+from batchinfer.structured.base import Constraint, GrammarError, GrammarMatcher
+
+MASK_BUFFERS = 3  # bitmask buffers reused round-robin (GrammarState._mask_buffer)
+
+Verdict = str | None  # per row: None (no grammar), "ok", "rejected" or "terminated" (accepted, grammar ended)
+
+
+@dataclass(frozen=True)
+class StartedFill:
+    """Masks of a step's sampling rows being filled while the step before is post-processed."""
+
+    pending: Any  # structured.compiler.PendingFill
+    rows: list[int]  # the sampling rows it fills
+
+
+class GrammarState:
+    """Compiles constraints (cached per constraint, errors too), hands out matchers, and runs the
+    per-step grammar work of one engine.
+
+    tokenizer, vocab_size, eos_ids: the model's; backend: EngineConfig.grammar_backend;
+    fill_threads: EngineConfig.grammar_threads; max_rows: the most sampling rows of a step
+    (max_num_seqs); pin_memory: pin the bitmask buffers (a GPU engine: their copy to the device
+    then does not wait for earlier queued work); compiler: a GrammarCompiler made elsewhere for this
+    vocabulary and backend (or a Future of one), used instead of building one.
+    """
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, backend: str, eos_ids: Seq[int], fill_threads: int | None,
+        max_rows: int, pin_memory: bool, compiler: Any = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._backend = backend
+        self._eos_ids = tuple(eos_ids)
+        self._fill_threads = fill_threads
+        self._max_rows = max_rows
+        self._pin = pin_memory
+        self._compiler = None  # structured.compiler.GrammarCompiler, built (or taken) with the first constraint
+        self._given = compiler  # one made elsewhere for this vocabulary and backend (or a Future of it)
+        self._grammars: dict[Constraint, object] = {}  # compiled grammar, or the reason it cannot be
+        self._masks: list[torch.Tensor] | None = None
+        self._num_masks = 0
+
+    @property
+    def in_use(self) -> bool:
+        """Whether any constraint was ever compiled (no grammar work happens before)."""
+        return self._compiler is not None
+
+    def new_matcher(self, constraint: Constraint) -> GrammarMatcher | str:
+        """A matcher at the start of the constraint's grammar, or why it cannot be compiled."""
+        grammar = self._grammar(constraint)
+        return grammar if isinstance(grammar, str) else grammar.new_matcher()
+
+    def _grammar(self, constraint: Constraint):
+        if constraint not in self._grammars:
+            if self._compiler is None and self._given is not None:
+                given, self._given = self._given, None
+                try:
+                    self._compiler = given.result() if isinstance(given, Future) else given
+                except Exception:  # it could not be made there: build one here (and say why per request)
+                    self._compiler = None
+            if self._compiler is None:
+                from batchinfer.structured.compiler import GrammarCompiler
+
+                self._compiler = GrammarCompiler(
+                    self._tokenizer, self._vocab_size, self._backend,
+                    eos_ids=self._eos_ids, fill_threads=self._fill_threads,
+                )
+            try:
+                self._grammars[constraint] = self._compiler.compile(constraint)
+            except (GrammarError, ValueError) as exc:
+                self._grammars[constraint] = f"constraint cannot be compiled: {exc}"
+        return self._grammars[constraint]
+
+    def accept(self, rows: list[tuple[Sequence, int]]) -> list[Verdict]:
+        """Advance every grammar of `rows` (sequence, token) by its token, batched per library; the
+        verdict per row."""
+        verdicts: list[Verdict] = [None] * len(rows)
+        at = [k for k, (seq, _) in enumerate(rows) if seq.matcher is not None]
+        if not at:
+            return verdicts
+        matchers = [rows[k][0].matcher for k in at]
+        accepted = self._compiler.accept_tokens(matchers, [rows[k][1] for k in at])
+        for k, m, ok in zip(at, matchers, accepted):
+            verdicts[k] = ("terminated" if m.is_terminated() else "ok") if ok else "rejected"
+        return verdicts
+
+    def start_fill(
+        self, sampling: list[Sequence], read: list[tuple[Sequence, int]], verdicts: list[Verdict]
+    ) -> StartedFill | None:
+        """Start the masks of the next step's sampling rows whose grammar goes on.
+
+        A sequence whose token was just read (`read`, with its `verdicts`) qualifies only if its
+        grammar accepted the token and has not ended; rows of sequences that still finish this step
+        (stop string, length) are reset to all-allowed in bitmask(). The matchers must not be
+        touched again until the fill is waited for (bitmask()).
+        """
+        if self._compiler is None:
+            return None
+        ended = {id(seq) for (seq, _), v in zip(read, verdicts) if v in ("rejected", "terminated")}
+        rows = [r for r, s in enumerate(sampling)
+                if s.matcher is not None and s.status is SequenceStatus.RUNNING and id(s) not in ended]
+        if not rows:
+            return None
+        mask = self._mask_buffer(len(sampling))
+        pending = self._compiler.start_fill([sampling[r].matcher for r in rows], mask, rows)
+        return StartedFill(pending, rows)
+
+    def bitmask(self, sampling: list[Sequence], live: list[bool], fill: StartedFill | None = None) -> torch.Tensor | None:
+        """int32 CPU bitmask for the sampling rows, or None when no live row has a grammar (rows of
+        finished sequences stay all-allowed: their tokens are never read).
+
+        fill: the masks start_fill began for these rows; waited for here (always: the library may
+        still be writing into its tensor)."""
+        mask = fill.pending.wait() if fill is not None else None
+        rows = [row for row, (seq, ok) in enumerate(zip(sampling, live)) if seq.matcher is not None and ok]
+        if not rows:
+            return None
+        if mask is None:
+            mask = self._mask_buffer(len(sampling))
+            missing = rows
+        else:
+            filled = set(fill.rows)
+            stale = [r for r in fill.rows if not live[r]]
+            if stale:
+                mask[stale] = -1
+            missing = [r for r in rows if r not in filled]
+        if missing:
+            # one batched call per grammar library, on the library's own threads (GIL released)
+            self._compiler.fill_next_token_bitmasks([sampling[r].matcher for r in missing], mask, missing)
+        return mask
+
+    def _mask_buffer(self, rows: int) -> torch.Tensor:
+        """An all-allowed int32 bitmask [rows, ceil(V/32)] from a ring of MASK_BUFFERS preallocated ones.
+
+        At most one is taken per step, for that step's sampling; the buffer taken at step N comes
+        back at step N+3, after the host has read step N+2's tokens, so step N's copy of it to the
+        device has finished. Allocating pinned memory every step instead cost time on the host."""
+        if self._masks is None:
+            from batchinfer.structured.bitmask import allocate_token_bitmask
+
+            self._masks = [
+                allocate_token_bitmask(self._max_rows, self._vocab_size, pin_memory=self._pin)
+                for _ in range(MASK_BUFFERS)
+            ]
+        buf = self._masks[self._num_masks % MASK_BUFFERS][:rows]
+        self._num_masks += 1
+        return buf.fill_(-1)
+
+    def close(self) -> None:
+        """Stop the compiler's helper thread and drop the buffers and grammars (idempotent)."""
+        if self._compiler is not None:
+            self._compiler.close()
+        self._compiler = None
+        self._grammars = {}
+        self._masks = None

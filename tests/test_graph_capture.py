@@ -1,0 +1,170 @@
+"""The CUDA-graph capture loop's order of operations (engine/cuda_graphs.py capture_largest_first).
+
+A real capture needs a GPU (tests/test_gpu_engine.py). Here a recorder stands in for the torch.cuda
+module and logs every call the loop makes, so the rules the loop exists to keep are checked on the
+CPU: each size's warm-up runs before its capture and on the stream the capture uses; the garbage
+collector is off during captures (finalisers of dead objects, such as another engine's graphs, run
+before the first capture, never inside one) and back on afterwards, also when a capture fails; the
+graphs share the first graph's memory pool.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from batchinfer.engine.cuda_graphs import capture_largest_first
+
+
+class _Stream:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append(("wait", self.name, other.name))
+
+
+class _Graph:
+    count = 0
+
+    def __init__(self) -> None:
+        _Graph.count += 1
+        self.id = _Graph.count
+
+    def pool(self) -> str:
+        return f"pool-of-{self.id}"
+
+
+class RecordingCuda:
+    """The parts of torch.cuda the capture loop uses; every call goes to `log`."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.log: list = []
+        self.default = _Stream(self.log, "default")
+        self.side = _Stream(self.log, "capture")
+        self.current = self.default
+        self.capturing = False
+        self.fail_at = fail_at
+        self.CUDAGraph = _Graph
+        outer = self
+
+        class _StreamContext:
+            def __init__(self, stream: _Stream) -> None:
+                self.stream = stream
+
+            def __enter__(self) -> None:
+                self.before, outer.current = outer.current, self.stream
+
+            def __exit__(self, *exc) -> None:
+                outer.current = self.before
+
+        class _Capture:
+            def __init__(self, graph: _Graph, pool=None) -> None:
+                self.graph, self.pool = graph, pool
+                self.capture_stream = outer.side
+
+            def __enter__(self) -> None:
+                outer.log.append(("begin", self.graph.id, self.pool, gc.isenabled()))
+                self.before, outer.current = outer.current, outer.side
+                outer.capturing = True
+
+            def __exit__(self, *exc) -> None:
+                outer.capturing = False
+                outer.current = self.before
+                outer.log.append(("end", self.graph.id))
+
+        self.stream = _StreamContext
+        self.graph = _Capture
+
+    def current_stream(self) -> _Stream:
+        return self.current
+
+    def synchronize(self) -> None:
+        self.log.append(("sync",))
+
+    def run(self, size: int) -> str:
+        """The body: logs where it ran; raises inside the capture of `fail_at`."""
+        self.log.append(("run", size, self.current.name, self.capturing, gc.isenabled()))
+        if self.capturing and size == self.fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return f"out-{size}"
+
+
+class _Finalised:
+    """Cyclic garbage with a finaliser that logs when it runs."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name, self.me = log, name, self
+
+    def __del__(self) -> None:
+        self.log.append(("finalised", self.name))
+
+
+def test_warm_up_on_the_capture_stream_before_each_capture_largest_first():
+    cuda = RecordingCuda()
+    graphs, outputs = capture_largest_first((1, 2, 4), cuda.run, cuda=cuda)
+    assert sorted(graphs) == [1, 2, 4] and outputs == {4: "out-4", 2: "out-2", 1: "out-1"}
+    runs = [e for e in cuda.log if e[0] == "run"]
+    # per size, largest first: the warm-up (not capturing) then the captured run, both on the side stream
+    assert [(size, capturing) for _, size, _, capturing, _ in runs] == [
+        (4, False), (4, True), (2, False), (2, True), (1, False), (1, True)
+    ]
+    assert all(stream == "capture" for _, _, stream, _, _ in runs)
+    # the side stream waits for the default one before the warm-up, and the other way round after it
+    first_run = cuda.log.index(runs[0])
+    assert ("wait", "capture", "default") in cuda.log[:first_run]
+    first_begin = next(i for i, e in enumerate(cuda.log) if e[0] == "begin")
+    assert ("wait", "default", "capture") in cuda.log[first_run:first_begin]
+    assert ("sync",) in cuda.log[first_run:first_begin]
+    # one pool: the first graph's, passed to every later capture
+    begins = [e for e in cuda.log if e[0] == "begin"]
+    first_pool = graphs[4].pool()
+    assert [b[2] for b in begins] == [None, first_pool, first_pool]
+    assert cuda.log[-1] == ("sync",)
+
+
+def test_no_finaliser_runs_inside_a_capture():
+    """Garbage from before the loop (another engine's objects) is finalised before the first capture;
+    garbage made during the captures waits until the collector is back on."""
+    cuda = RecordingCuda()
+    gc.collect()
+    assert gc.isenabled()
+    _Finalised(cuda.log, "before")  # unreachable at once, but only the collector can free it
+
+    def run(size: int) -> str:
+        for i in range(3000):  # well past the collector's thresholds
+            _Finalised(cuda.log, f"during-{size}-{i}")
+        return cuda.run(size)
+
+    capture_largest_first((8, 16), run, cuda=cuda)
+    log = list(cuda.log)  # the finalisers may log more from here on (the collector is back on)
+    first_begin = next(i for i, e in enumerate(log) if e[0] == "begin")
+    last_sync = max(i for i, e in enumerate(log) if e[0] == "sync")
+    assert ("finalised", "before") in log[:first_begin]
+    assert [e for e in log if e[0] == "begin" and e[3]] == []  # collector off at every begin
+    assert [e for e in log if e[0] == "run" and e[4]] == []  # collector off during every run
+    # nothing made during the loop was collected inside it
+    assert [e for e in log[first_begin:last_sync] if e[0] == "finalised"] == []
+    assert gc.isenabled()
+    gc.collect()
+    assert any(e[0] == "finalised" and e[1].startswith("during") for e in cuda.log)
+
+
+def test_a_failed_capture_names_its_size_and_turns_the_collector_back_on():
+    cuda = RecordingCuda(fail_at=2)
+    with pytest.raises(RuntimeError, match="capture of size 2 failed: operation not permitted"):
+        capture_largest_first((1, 2, 4), cuda.run, cuda=cuda)
+    assert gc.isenabled()
+    assert [e[1] for e in cuda.log if e[0] == "run"] == [4, 4, 2, 2]  # stopped at the failure
+    assert not cuda.capturing and cuda.current is cuda.default  # the capture context was left
+
+
+def test_the_collector_stays_off_when_it_was_off():
+    cuda = RecordingCuda()
+    gc.disable()
+    try:
+        capture_largest_first((1,), cuda.run, cuda=cuda)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -1,0 +1,254 @@
+"""Speculative decoding on CPU: token-identical to plain decoding, KV allocator invariants after
+rollbacks, and the draft proposers.
+
+Random weights rarely agree with n-gram drafts, so most identity tests draft from an oracle: the
+output of a plain run of the same requests, with a share of its tokens corrupted. Those drafts are
+mostly right, so the accept, partial-accept and reject paths all run (checked by the step stats).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchinfer.engine import Engine, EngineConfig, Request, SamplingParams
+from batchinfer.engine.speculative import SpeculativeConfig, ngram_draft
+from batchinfer.structured.base import Constraint
+from batchinfer.structured.validate import validate_output
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "schemas" / "examples"
+
+
+def make_engine(path, speculative=None, on_step=None, drafter=None, **kw) -> Engine:
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 8)
+    cfg = EngineConfig(model=str(path), dtype="float32", device="cpu", speculative=speculative, **kw)
+    return Engine(cfg, on_step=on_step, drafter=drafter)
+
+
+def oracle(truth: dict[str, list[int]], corrupt: float, vocab: int, seed: int = 0):
+    """Drafts = each request's recorded output from where the sequence is, a share corrupted."""
+    rng = random.Random(seed)
+
+    def draft(seq, k: int) -> list[int]:
+        out = truth[seq.request.request_id][seq.num_generated : seq.num_generated + k]
+        return [(t + 1 + rng.randrange(vocab - 1)) % vocab if rng.random() < corrupt else t for t in out]
+
+    return draft
+
+
+def run(engine: Engine, requests) -> dict:
+    results = list(engine.generate(requests))
+    ids = [r.request_id for r in results]
+    assert len(ids) == len(set(ids)) == len(requests), "a request finished twice or never"
+    engine.allocator.check()
+    assert engine.allocator.num_used == 0, "KV blocks leaked"
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    return {r.request_id: r for r in results}
+
+
+def assert_same(plain: dict, spec: dict) -> None:
+    assert plain.keys() == spec.keys()
+    for rid, a in plain.items():
+        b = spec[rid]
+        assert b.output_token_ids == a.output_token_ids, rid
+        assert (b.finish_reason, b.text, b.error) == (a.finish_reason, a.text, a.error), rid
+
+
+def rand_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def plain_and_oracle(path, reqs, corrupt, method="ngram", **kw):
+    plain = run(make_engine(path, **kw), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    steps: list = []
+    engine = make_engine(path, {"method": method, "num_tokens": 4}, on_step=steps.append,
+                         drafter=oracle(truth, corrupt, 500), **kw)
+    return plain, run(engine, reqs), steps
+
+
+# --- the proposer ------------------------------------------------------------------------------
+
+
+def reference_draft(tokens: list[int], sizes, k: int) -> list[int]:
+    for n in sizes:
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def test_ngram_draft_copies_what_followed():
+    toks = np.array([1, 2, 3, 4, 5, 9, 2, 3], dtype=np.int64)
+    assert ngram_draft(toks, (3, 2, 1), 3).tolist() == [4, 5, 9]
+    assert ngram_draft(toks, (3,), 3).tolist() == []  # (9, 2, 3) never occurred before
+    assert ngram_draft(np.array([7, 7, 7, 7]), (2,), 5).tolist() == [7]  # most recent occurrence
+    assert ngram_draft(np.array([1, 2]), (3, 2, 1), 4).tolist() == []
+
+
+@given(st.lists(st.integers(0, 4), min_size=0, max_size=40), st.integers(1, 6),
+       st.lists(st.integers(1, 4), min_size=1, max_size=3, unique=True))
+@settings(max_examples=200, deadline=None)
+def test_ngram_draft_matches_reference(tokens, k, sizes):
+    sizes = sorted(sizes, reverse=True)
+    assert ngram_draft(np.array(tokens, dtype=np.int64), sizes, k).tolist() == reference_draft(tokens, sizes, k)
+
+
+def test_config_checks_and_dict_form():
+    cfg = EngineConfig(model="m", speculative={"method": "ngram+grammar", "num_tokens": 3, "ngram_sizes": [1, 3]})
+    assert cfg.speculative == SpeculativeConfig("ngram+grammar", 3, (3, 1))
+    assert EngineConfig(model="m").speculative is None
+    with pytest.raises(ValueError, match="speculative.method"):
+        SpeculativeConfig("eagle")
+    with pytest.raises(ValueError, match="num_tokens"):
+        SpeculativeConfig(num_tokens=0)
+
+
+# --- token identity ------------------------------------------------------------------------------
+
+
+def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model):
+    corrupt = 0.3
+    rng = random.Random(1)
+    reqs = [Request(f"r{i}", rand_prompt(rng, 4 + 9 * i), SamplingParams(max_tokens=18, temperature=t, seed=i, ignore_eos=True))
+            for i, t in enumerate([0.0, 0.8, 0.0, 1.2])]
+    reqs.append(Request("topk", rand_prompt(rng, 7), SamplingParams(max_tokens=15, temperature=0.9, top_k=20, top_p=0.9, seed=4)))
+    reqs.append(Request("minp", rand_prompt(rng, 5), SamplingParams(max_tokens=15, temperature=1.0, min_p=0.05, seed=5, min_tokens=9)))
+    reqs.append(Request("lp", rand_prompt(rng, 6), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)))
+    plain, spec, steps = plain_and_oracle(tiny_model, reqs, corrupt)
+    assert_same(plain, spec)
+    # same tokens; values within float32 noise (the verify step's matmuls have other shapes)
+    assert len(spec["lp"].logprobs) == 8
+    for x, y in zip(spec["lp"].logprobs, plain["lp"].logprobs):
+        assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    accepted = sum(s.spec_accepted for s in steps)
+    verified = sum(s.spec_verified for s in steps)
+    assert accepted > 0 and verified > accepted * (1.0 if corrupt == 0 else 1.05) - 1e-9
+    # fewer target forwards than tokens: several tokens per decoding step
+    emitted = sum(s.spec_emitted for s in steps)
+    assert emitted > sum(s.spec_decode_rows for s in steps)
+
+
+def test_stops_min_tokens_and_chunked_prefill(tiny_model):
+    rng = random.Random(2)
+    base = [Request(f"p{i}", rand_prompt(rng, n), SamplingParams(max_tokens=16, temperature=t, seed=i, ignore_eos=True))
+            for i, (n, t) in enumerate([(3, 0.0), (40, 0.9), (17, 1.0)])]
+    free = run(make_engine(tiny_model), base)
+    reqs = list(base)
+    for i, r in enumerate(base):
+        out, text = free[r.request_id].output_token_ids, free[r.request_id].text
+        reqs.append(Request(f"id{i}", r.prompt_token_ids, replace(r.sampling, stop_token_ids=(out[5],))))
+        reqs.append(Request(f"min{i}", r.prompt_token_ids, replace(r.sampling, stop_token_ids=(out[1],), min_tokens=7)))
+        if len(text) > 8:
+            reqs.append(Request(f"str{i}", r.prompt_token_ids, replace(r.sampling, stop=(text[4:7],))))
+    plain, spec, steps = plain_and_oracle(tiny_model, reqs, 0.2, max_num_batched_tokens=24, max_num_seqs=5)
+    assert_same(plain, spec)
+    assert sum(s.spec_accepted for s in steps) > 0
+    assert any(s.num_prefill_tokens and s.spec_verified for s in steps), "no step mixed prefill with drafts"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)],
+)
+def test_preemption_and_rollback_keep_the_allocator_sound(tiny_model, config):
+    rng = random.Random(3)
+    reqs = [Request(f"p{i}", rand_prompt(rng, n), SamplingParams(max_tokens=16, temperature=[0.0, 0.8][i % 2], seed=i, ignore_eos=i != 3))
+            for i, n in enumerate((20, 31, 12, 9))]
+
+    def eager(engine: Engine) -> Engine:
+        engine.scheduler.config = replace(engine.scheduler.config, max_reserved_output=0)
+        return engine
+
+    plain = run(eager(make_engine(tiny_model, **config)), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    steps: list = []
+    engine = eager(make_engine(tiny_model, {"num_tokens": 4}, on_step=steps.append, drafter=oracle(truth, 0.25, 500), **config))
+    checks = []
+    original = engine.scheduler.complete_step
+
+    def checked(step):
+        original(step)
+        engine.allocator.check()
+        for seq in engine.scheduler.running:  # no drafts between steps; KV never ahead of tokens
+            assert seq.num_draft == 0 and seq.num_computed_tokens <= seq.num_tokens
+            assert seq.num_registered_blocks * engine.allocator.block_size <= seq.num_computed_tokens
+        checks.append(1)
+
+    engine.scheduler.complete_step = checked
+    spec = run(engine, reqs)
+    assert_same(plain, spec)
+    assert checks and sum(s.spec_accepted for s in steps) > 0
+    assert sum(r.num_preemptions for r in spec.values()) > 0, "the tiny cache never forced a preemption"
+
+
+def test_prefix_sharing_hashes_only_emitted_tokens(tiny_model):
+    """n answers of one prompt share its blocks; their outputs (drafts rejected mid-block) stay identical."""
+    rng = random.Random(4)
+    prompt = rand_prompt(rng, 37)
+    reqs = [Request(f"n{i}", prompt, SamplingParams(max_tokens=20, temperature=0.9, seed=i, ignore_eos=True)) for i in range(4)]
+    reqs += [Request("late", prompt + [5, 6], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    plain, spec, steps = plain_and_oracle(tiny_model, reqs, 0.5, block_size=4)
+    assert_same(plain, spec)
+
+
+@given(st.integers(0, 10_000), st.floats(0.0, 0.6))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_random_workloads_same_tokens(tiny_model, seed, corrupt):
+    rng = random.Random(seed)
+    reqs = [Request(f"h{i}", rand_prompt(rng, rng.randrange(1, 30)),
+                    SamplingParams(max_tokens=rng.randrange(1, 14), temperature=rng.choice([0.0, 0.0, 0.7, 1.0]),
+                                   seed=rng.randrange(100), ignore_eos=rng.random() < 0.7))
+            for i in range(rng.randrange(1, 6))]
+    plain, spec, _ = plain_and_oracle(tiny_model, reqs, corrupt)
+    assert_same(plain, spec)
+
+
+@pytest.mark.parametrize("backend,method", [("llguidance", "ngram+grammar"), ("xgrammar", "grammar")])
+def test_json_schema_same_tokens_and_valid(tiny_model, backend, method):
+    names = ["enum_const", "bounded_numbers", "optional_fields", "flat_object"]
+    constraints = [Constraint.json_schema(json.loads((EXAMPLES / f"{n}.json").read_text())) for n in names]
+    constraints += [Constraint.regex(r"[A-Z]{2}-[0-9]{3}"), Constraint.choice(["yes", "no", "maybe"])]
+    reqs = [Request(f"g{i}", [5 + i, 40, 77], SamplingParams(max_tokens=60, temperature=[1.0, 0.0][i % 2], seed=i), constraints[i])
+            for i in range(6)]
+    reqs += [Request("u", [9, 8], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))]
+    by_id = {r.request_id: r for r in reqs}
+    plain = run(make_engine(tiny_model, grammar_backend=backend), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    for drafter in (None, oracle(truth, 0.3, 500)):
+        steps: list = []
+        engine = make_engine(tiny_model, {"method": method, "num_tokens": 5}, on_step=steps.append,
+                             drafter=drafter, grammar_backend=backend)
+        spec = run(engine, reqs)
+        assert_same(plain, spec)
+        assert sum(s.spec_accepted for s in steps) > 0, "no grammar-forced or oracle draft was accepted"
+    stops = 0
+    for rid, res in spec.items():
+        if by_id[rid].constraint is not None and res.finish_reason == "stop":
+            assert validate_output(by_id[rid].constraint, res.text)[1] is None, (rid, res.text)
+            stops += 1
+    assert stops >= 3
+
+
+def test_ngram_drafts_accepted_where_the_model_copies(tiny_model):
+    """Greedy decoding of a random model soon loops; once it does, n-gram drafts are right."""
+    rng = random.Random(5)
+    reqs = [Request(f"c{i}", rand_prompt(rng, 6) * 3, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i in range(2)]
+    plain = run(make_engine(tiny_model), reqs)
+    steps: list = []
+    spec = run(make_engine(tiny_model, {"method": "ngram", "num_tokens": 4}, on_step=steps.append), reqs)
+    assert_same(plain, spec)
+    assert sum(s.spec_drafted for s in steps) > 0
+    assert sum(s.spec_accepted for s in steps) > 0, "n-gram drafts never accepted on looping greedy output"

@@ -77,3 +77,7 @@ def test_bench_job_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     for key in ("generation", "report_writing", "exit"):
         assert t[key] is not None and t[key] >= 0, key
     assert n["breakdown"]["command_to_first_step_s"] <= n["run"]["wall_s"]
+    # a short run of the same job went first (so the measured one finds the on-disk caches), in its own folder
+    w = n["warm_up"]
+    assert w["docs"] == 6 and 0 < w["command_to_first_step_s"] <= w["wall_s"] and w["startup"]["engine_start"] > 0
+    assert "the warm-up run before it" in r.output and (tmp_path / "work" / "warm-up" / "out").is_dir()

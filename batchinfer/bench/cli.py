@@ -146,6 +146,7 @@ def job(
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Folder for the job file and its output (default: a temp folder)."),
     progress_interval: float = typer.Option(10.0, "--progress-interval", help="Seconds between the run's progress lines."),
     engine_alone: bool = typer.Option(True, "--engine-alone/--no-engine-alone", help="Also run the engine alone on the same prompt ids."),
+    warm_up: bool = typer.Option(True, "--warm-up/--no-warm-up", help="Run a short job first, so the measured run finds the caches a repeat run has (bytecode, Triton kernels)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the numbers as JSON here."),
 ) -> None:
     """Generate Parquet shards of prose, run `batchinfer run` on them (a subprocess, by the wall clock), then the
@@ -160,7 +161,7 @@ def job(
         bench_spec = JobBench(
             model=model, corpus=CorpusSpec(docs, shards, min_tokens, max_tokens, seed), max_new_tokens=max_new_tokens,
             schema=schema, grammar_backend=grammar_backend, overrides=tuple(set_ or ()), workdir=workdir,
-            progress_interval=progress_interval, engine_alone=engine_alone,
+            progress_interval=progress_interval, engine_alone=engine_alone, warm_up=warm_up,
         )
         result = run_job_bench(bench_spec)
     except (ValueError, FileNotFoundError) as e:

@@ -17,11 +17,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Cycles other branches are removing; each is an xfail below that must keep failing (strict): when one
-# XPASSes, the cycle is gone and its entry must be deleted here. The lead empties these after merging.
-PENDING_CYCLES: list[tuple[str, ...]] = []
-# (kernel module, module of an upper layer it imports), pending in the same way.
-PENDING_KERNEL_IMPORTS: list[tuple[str, str]] = []
 UPPER_LAYERS = ("batchinfer.attention", "batchinfer.engine", "batchinfer.models")
 
 
@@ -141,36 +136,13 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_no_import_cycle(graph):
-    pending = {frozenset(c) for c in PENDING_CYCLES}
-    found = [g for g in cycle_groups(graph) if frozenset(g) not in pending]
+    found = cycle_groups(graph)
     assert not found, "import cycles in batchinfer/:\n  " + "\n  ".join(describe(graph, g) for g in found)
 
 
-@pytest.mark.parametrize(
-    "cycle",
-    [pytest.param(c, id="<->".join(m.rsplit(".", 1)[-1] for m in c),
-                  marks=pytest.mark.xfail(strict=True, reason="a known cycle, being removed on another branch; "
-                                                              "if this XPASSes, delete it from PENDING_CYCLES"))
-     for c in PENDING_CYCLES],
-)
-def test_pending_cycle_is_gone(graph, cycle):
-    assert frozenset(cycle) not in {frozenset(g) for g in cycle_groups(graph)}
-
-
 def test_kernels_import_no_upper_layer(graph):
-    found = sorted(kernel_imports(graph) - set(PENDING_KERNEL_IMPORTS))
+    found = sorted(kernel_imports(graph))
     assert not found, "kernels importing attention/engine/models:\n  " + "\n  ".join(f"{m} -> {t}" for m, t in found)
-
-
-@pytest.mark.parametrize(
-    "edge",
-    [pytest.param(e, id=f"{e[0].rsplit('.', 1)[-1]}->{e[1]}",
-                  marks=pytest.mark.xfail(strict=True, reason="a known kernel import, being removed on another branch; "
-                                                              "if this XPASSes, delete it from PENDING_KERNEL_IMPORTS"))
-     for e in PENDING_KERNEL_IMPORTS],
-)
-def test_pending_kernel_import_is_gone(graph, edge):
-    assert edge not in kernel_imports(graph)
 
 
 def test_job_executors_never_import_the_driver(graph):

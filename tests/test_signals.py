@@ -123,7 +123,7 @@ def test_stop_after_deadline(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_sigterm_with_data_parallel_workers(tiny_model, tmp_path):
     """Two CPU engine workers: SIGTERM to the driver, the workers commit what finished, exit 75; resume."""
-    n = 80
+    n = 320  # enough rows that the workers cannot finish them all between the first commit and the signal
     job = make_job(tmp_path, tiny_model, n, data_parallel=2)
     out = tmp_path / "out"
     p = start(job)

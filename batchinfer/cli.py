@@ -269,7 +269,7 @@ def _load_for_checks(job: Path, set_: list[str]) -> tuple[Any, Any, Any, Any]:
     spec = load_job(job, set_)
     check_device(spec.engine.device)
     model_dir = resolve_model(spec)
-    info = load_model_info(str(model_dir), spec.model.dtype, _device(spec.engine.device))
+    info = load_model_info(str(model_dir), spec.model.dtype, _device(spec.engine.device), spec.model.quantization)
     tokenizer = load_tokenizer(model_dir)
     files = list_input_files(spec.input.path, spec.input.format)
     ids = check_ids(files, spec.input.id_column, spec.input.duplicates)
@@ -414,7 +414,7 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
 
     max_tokens = spec.sampling.max_tokens
     answers = spec.sampling.n  # each answer is a sequence of its own (its prompt prefilled once, counted n times)
-    dtype_bytes = torch.tensor([], dtype=info.dtype).element_size()
+    dtype_bytes = info.dtype.itemsize
     per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
     total_prompt = sum(prompt_lens)
     n = len(prompt_lens)
@@ -454,7 +454,7 @@ def _time_estimate(
         prompt_lens, [spec.sampling.max_tokens] * len(prompt_lens),
         num_layers=info.num_layers, hidden_size=info.hidden_size, num_heads=info.num_heads,
         num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, vocab_size=info.vocab_size,
-        layer_params=max(info.num_params - 2 * embed, 1), weight_bytes=info.num_params * dtype_bytes,
+        layer_params=max(info.num_params - 2 * embed, 1), weight_bytes=info.weight_bytes,
         dtype_bytes=dtype_bytes, kv_capacity_tokens=capacity, ceilings=ceilings,
     )
     return [
@@ -477,7 +477,7 @@ def _kv_capacity_tokens(config: Any, info: Any, device: Any) -> int:
     budget = kv_budget.kv_cache_bytes(
         config, device.type, free_bytes=free,
         activation_bytes=kv_budget.estimate_activation_bytes(config, info),
-        unloaded_weight_bytes=info.num_params * info.dtype.itemsize,
+        unloaded_weight_bytes=info.weight_bytes,
         mixed_graphs=kv_budget.mixed_graphs_reserve(config),
     )
     try:

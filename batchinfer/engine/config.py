@@ -14,6 +14,11 @@ class EngineConfig:
 
     model: a Hugging Face model folder, or a hub id already in the local HF cache.
     dtype: auto | bfloat16 | float16 | float32 ("auto": the checkpoint's dtype on GPU, float32 on CPU).
+    quantization: none | fp8: the decoder layers' projections (q/k/v, o, gate/up, down; never the
+        embeddings or the LM head) quantised to FP8 at load, per output channel, with per-token
+        activation scales at every call (models/quant.py; FP8 tensor cores on a GPU of compute
+        capability >= 8.9 in bfloat16, the same math dequantised elsewhere). A checkpoint already in
+        FP8 (config.json quantization_config) runs as it is stored, whatever this says.
     device: auto | cpu | cuda | cuda:N.
     max_model_len: longest prompt + output; None means the model's max_position_embeddings.
     max_num_seqs: cap on sequences running at once.
@@ -47,6 +52,7 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
+    quantization: str = "none"
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -75,6 +81,8 @@ class EngineConfig:
             object.__setattr__(self, "speculative", SpeculativeConfig(method=spec))  # type: ignore[arg-type]
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
+        if self.quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization must be none or fp8, not {self.quantization!r}")
         if self.load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be safetensors or random, not {self.load_format!r}")
         if self.max_num_seqs < 1:

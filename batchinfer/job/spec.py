@@ -48,6 +48,10 @@ class ModelSpec(BaseModel):
     model_config = _STRICT
     path: str = Field(description="HF model folder (relative to the job file) or a hub id already in the local HF cache")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    quantization: Literal["none", "fp8"] = Field(
+        "none", description="fp8: the decoder layers' projections quantised to FP8 at load (per-channel weight scales, "
+        "per-token activation scales); an FP8 checkpoint (quantization_config) runs as stored either way",
+    )
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output; default: the model's")
 
     @field_validator("path")
@@ -234,9 +238,10 @@ class StructuredSpec(BaseModel):
         return Constraint.json_schema(self.schema_dict(), whitespace=self.whitespace, max_string_length=self.max_string_length)
 
 
-# EngineConfig fields a job sets elsewhere: model.path, model.dtype, model.max_model_len, structured.backend.
-ENGINE_FIELDS_ELSEWHERE = {"model": "model.path", "dtype": "model.dtype", "max_model_len": "model.max_model_len",
-                           "grammar_backend": "structured.backend"}
+# EngineConfig fields a job sets elsewhere: model.path, model.dtype, model.quantization, model.max_model_len,
+# structured.backend.
+ENGINE_FIELDS_ELSEWHERE = {"model": "model.path", "dtype": "model.dtype", "quantization": "model.quantization",
+                           "max_model_len": "model.max_model_len", "grammar_backend": "structured.backend"}
 
 
 def _engine_spec_model() -> type[BaseModel]:
@@ -338,8 +343,8 @@ class JobSpec(BaseModel):
         """The engine's config: the `engine` section, with model.* and structured.backend filled in."""
         fields = self.engine.model_dump(exclude={"data_parallel"})
         return EngineConfig(
-            model=self.model.path, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
-            grammar_backend=self.grammar_backend, **fields,
+            model=self.model.path, dtype=self.model.dtype, quantization=self.model.quantization,
+            max_model_len=self.model.max_model_len, grammar_backend=self.grammar_backend, **fields,
         )
 
 
@@ -348,7 +353,7 @@ def job_json_schema() -> dict[str, Any]:
     schema = JobSpec.model_json_schema()
     # The shorthand `model: path/to/dir` is accepted too.
     props = schema["properties"]
-    props["model"] = {"anyOf": [{"type": "string"}, props["model"]], "description": "model folder, or {path, dtype, max_model_len}"}
+    props["model"] = {"anyOf": [{"type": "string"}, props["model"]], "description": "model folder, or {path, dtype, quantization, max_model_len}"}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 

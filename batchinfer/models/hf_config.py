@@ -20,8 +20,6 @@ def common_config(hf: dict, architecture: str, **flags) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (only silu)")
-    if hf.get("quantization_config"):
-        raise ValueError("config.json: quantized checkpoints (quantization_config) are not supported")
     hidden = int(_required(hf, "hidden_size"))
     heads = int(_required(hf, "num_attention_heads"))
     kv_heads = int(hf.get("num_key_value_heads") or heads)

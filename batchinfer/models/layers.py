@@ -23,7 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention.base import AttentionBackend, AttentionMetadata
+from batchinfer.models.linear import Linear, linear_weight_bytes, make_linear
 from batchinfer.models.rope import RopeConfig, RotaryEmbedding
+
+__all__ = ["Attention", "CausalLM", "DecoderLayer", "Linear", "MLP", "ModelConfig", "RMSNorm"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    quantization: str = "none"  # of the layers' projections: models/linear.py LINEARS
 
     @property
     def q_size(self) -> int:
@@ -68,21 +72,23 @@ class ModelConfig:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layer_params() + self.hidden_size
 
+    def projections(self) -> list[tuple[int, int, bool]]:
+        """(in_features, out_features, bias) of one layer's fused projections: qkv, o, gate_up, down."""
+        h, qkv = self.hidden_size, self.q_size + 2 * self.kv_size
+        return [(h, qkv, self.qkv_bias), (self.q_size, h, self.o_bias), (h, 2 * self.intermediate_size, False),
+                (self.intermediate_size, h, False)]
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of all weights in memory: embeddings, LM head and norms in the model's dtype, the
+        projections as `quantization` stores them (FP8: 1 byte a weight plus a float32 scale a row)."""
+        proj = sum(linear_weight_bytes(self.quantization, i, o, b, dtype_bytes) for i, o, b in self.projections())
+        proj_params = sum(i * o + (o if b else 0) for i, o, b in self.projections())
+        rest = (self.num_params() - self.num_layers * proj_params) * dtype_bytes
+        return rest + self.num_layers * proj
+
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b), with W allocated but not initialised (the loader fills it)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-        self.bias = _param(out_features, dtype=dtype) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -120,8 +126,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, dtype)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype)
+        q = cfg.quantization
+        self.qkv_proj = make_linear(q, cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, dtype)
+        self.o_proj = make_linear(q, cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
@@ -163,8 +170,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        q = cfg.quantization
+        self.gate_up_proj = make_linear(q, cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
+        self.down_proj = make_linear(q, cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -244,16 +252,21 @@ class CausalLM(nn.Module):
             return torch.mm(hidden, self.lm_head.t(), out=out)
         return F.linear(hidden, self.lm_head)
 
-    def weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+    def weight_targets(self) -> dict[str, tuple[torch.Tensor | nn.Module, int, int]]:
         """Checkpoint tensor name -> (destination, first row, number of rows) it is copied into.
 
-        q/k/v land in row ranges of qkv_proj and gate/up in gate_up_proj (fused at load time).
+        q/k/v land in row ranges of qkv_proj and gate/up in gate_up_proj (fused at load time). The
+        weight of a projection names its module (a Linear or an Fp8Linear, which fill themselves:
+        `load_rows`); every other destination is a tensor.
         """
         cfg = self.config
-        targets: dict[str, tuple[torch.Tensor, int, int]] = {}
+        targets: dict[str, tuple[torch.Tensor | nn.Module, int, int]] = {}
 
         def add(name: str, tensor: torch.Tensor, start: int = 0, rows: int | None = None) -> None:
             targets[name] = (tensor, start, tensor.shape[0] if rows is None else rows)
+
+        def add_proj(name: str, module: nn.Module, start: int = 0, rows: int | None = None) -> None:
+            targets[name] = (module, start, module.weight.shape[0] if rows is None else rows)
 
         add("model.embed_tokens.weight", self.embed_tokens)
         if not cfg.tie_word_embeddings:
@@ -266,18 +279,18 @@ class CausalLM(nn.Module):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             for name, (start, rows) in qkv_rows.items():
-                add(f"{p}self_attn.{name}.weight", attn.qkv_proj.weight, start, rows)
+                add_proj(f"{p}self_attn.{name}.weight", attn.qkv_proj, start, rows)
                 if cfg.qkv_bias:
                     add(f"{p}self_attn.{name}.bias", attn.qkv_proj.bias, start, rows)
-            add(f"{p}self_attn.o_proj.weight", attn.o_proj.weight)
+            add_proj(f"{p}self_attn.o_proj.weight", attn.o_proj)
             if cfg.o_bias:
                 add(f"{p}self_attn.o_proj.bias", attn.o_proj.bias)
             if cfg.qk_norm:
                 add(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
                 add(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
-            add(f"{p}mlp.gate_proj.weight", mlp.gate_up_proj.weight, 0, inter)
-            add(f"{p}mlp.up_proj.weight", mlp.gate_up_proj.weight, inter, inter)
-            add(f"{p}mlp.down_proj.weight", mlp.down_proj.weight)
+            add_proj(f"{p}mlp.gate_proj.weight", mlp.gate_up_proj, 0, inter)
+            add_proj(f"{p}mlp.up_proj.weight", mlp.gate_up_proj, inter, inter)
+            add_proj(f"{p}mlp.down_proj.weight", mlp.down_proj)
             add(f"{p}input_layernorm.weight", layer.input_layernorm.weight)
             add(f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         return targets

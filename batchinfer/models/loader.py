@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from batchinfer.attention.base import AttentionBackend
 from batchinfer.models import ARCHITECTURES
 from batchinfer.models.layers import CausalLM, ModelConfig
+from batchinfer.models.linear import Fp8Linear
+from batchinfer.models.quant import FP8_DTYPE, QUANTIZATIONS, checkpoint_quantization
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Tensors some checkpoints carry that our model recomputes or does not need.
@@ -47,6 +50,8 @@ class ModelInfo:
     dtype: torch.dtype
     num_params: int
     num_layer_params: int = 0  # decoder layers only (no embeddings / LM head): FLOPs per token
+    quantization: str = "none"  # of the decoder layers' projections: none | fp8 (models/linear.py)
+    weight_bytes: int = 0  # all weights as held in memory (FP8 projections: 1 byte a weight + scales)
 
 
 def _hub_cache_dir() -> Path:
@@ -122,7 +127,20 @@ def resolve_dtype(dtype: str, device: torch.device | str, hf: dict) -> torch.dty
     return DTYPES[name]
 
 
-def _model_config(model_dir: Path, hf: dict) -> ModelConfig:
+def resolve_quantization(quantization: str, hf: dict, model_dir: Path) -> str:
+    """The projections' quantization: `quantization` (none | fp8) for a float checkpoint (fp8:
+    quantised at load); fp8 for a checkpoint already in FP8, whatever was asked (it runs as stored).
+    ModelLoadError naming the field for an unknown value or an unsupported quantization_config."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"model.quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
+    try:
+        stored = checkpoint_quantization(hf)
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from exc
+    return stored or quantization
+
+
+def _model_config(model_dir: Path, hf: dict, quantization: str = "none") -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
@@ -130,10 +148,12 @@ def _model_config(model_dir: Path, hf: dict) -> ModelConfig:
             f"{model_dir}: architecture {', '.join(archs) or '(none in config.json)'} is not supported; "
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
+    quant = resolve_quantization(quantization, hf, model_dir)
     try:
-        return ARCHITECTURES[arch](hf)
+        cfg = ARCHITECTURES[arch](hf)
     except ValueError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from exc
+    return replace(cfg, quantization=quant)
 
 
 def _read_configs(model: str) -> tuple[Path, dict, dict]:
@@ -160,13 +180,17 @@ def _info(model_dir: Path, hf: dict, gen: dict, cfg: ModelConfig, dtype: torch.d
         dtype=dtype,
         num_params=cfg.num_params(),
         num_layer_params=cfg.num_layer_params(),
+        quantization=cfg.quantization,
+        weight_bytes=cfg.weight_bytes(dtype.itemsize),
     )
 
 
-def load_model_info(model: str, dtype: str = "auto", device: torch.device | str = "cpu") -> ModelInfo:
+def load_model_info(
+    model: str, dtype: str = "auto", device: torch.device | str = "cpu", quantization: str = "none"
+) -> ModelInfo:
     """Everything about the model that its config files tell, without reading weights."""
     model_dir, hf, gen = _read_configs(model)
-    cfg = _model_config(model_dir, hf)
+    cfg = _model_config(model_dir, hf, quantization)
     return _info(model_dir, hf, gen, cfg, resolve_dtype(dtype, device, hf))
 
 
@@ -188,28 +212,67 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+# Tensors an FP8 checkpoint stores beside a projection's weight: its scale, and a static activation
+# scale (read and not used: activations are always scaled per token, at every call).
+WEIGHT_SCALE, INPUT_SCALE = ".weight_scale", ".input_scale"
+
+
 @torch.inference_mode()
 def load_weights(model: CausalLM, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into its place; fail naming any tensor missing, unexpected or misshaped."""
+    """Copy every checkpoint tensor into its place; fail naming any tensor missing, unexpected or misshaped.
+
+    A projection (a module in weight_targets) fills itself: a float tensor into an Fp8Linear is
+    quantised per row; an FP8 tensor is copied as it is and needs its `<name>_scale` (weight_scale)."""
     from safetensors import safe_open
 
     targets = model.weight_targets()
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
+    needs_scale: set[str] = set()  # FP8 weights copied as stored: their weight_scale must come too
+    scaled: set[str] = set()
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
+                if name.endswith((WEIGHT_SCALE, INPUT_SCALE)):
+                    weight = name.rsplit(".", 1)[0] + ".weight"
+                    dest = targets.get(weight, (None,))[0]
+                    if not isinstance(dest, Fp8Linear):
+                        unexpected.append(name)
+                    elif name.endswith(WEIGHT_SCALE):
+                        _, start, rows = targets[weight]
+                        try:
+                            dest.load_scale_rows(start, rows, f.get_tensor(name))
+                        except ValueError as exc:
+                            raise ModelLoadError(f"{path.name}: tensor {name}: {exc}") from exc
+                        scaled.add(weight)
+                    continue
                 if name not in targets:
                     if not (name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")):
                         unexpected.append(name)
                     continue
                 dest, start, rows = targets[name]
-                expected = (rows, *dest.shape[1:])
-                shape = tuple(f.get_slice(name).get_shape())
+                weight_tensor = dest.weight if isinstance(dest, nn.Module) else dest
+                expected = (rows, *weight_tensor.shape[1:])
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
                 if shape != expected:
                     raise ModelLoadError(f"{path.name}: tensor {name} has shape {list(shape)}, expected {list(expected)}")
-                dest[start : start + rows].copy_(f.get_tensor(name))
+                tensor = f.get_tensor(name)
+                if tensor.dtype == FP8_DTYPE:
+                    if not isinstance(dest, Fp8Linear):
+                        raise ModelLoadError(
+                            f"{path.name}: tensor {name} is FP8 but config.json has no FP8 quantization_config "
+                            "(only the decoder layers' projections can be FP8)"
+                        )
+                    dest.load_fp8_rows(start, tensor)
+                    needs_scale.add(name)
+                elif tensor.dtype.is_floating_point and tensor.element_size() == 1:
+                    raise ModelLoadError(f"{path.name}: tensor {name} is {tensor.dtype}; only float8_e4m3fn FP8 weights are supported")
+                elif isinstance(dest, nn.Module):
+                    dest.load_rows(start, tensor)
+                else:
+                    dest[start : start + rows].copy_(tensor)
                 loaded.add(name)
     if unexpected:
         shown = ", ".join(sorted(unexpected)[:5])
@@ -218,6 +281,10 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     if missing:
         shown = ", ".join(missing[:5])
         raise ModelLoadError(f"{model_dir}: {len(missing)} tensor(s) missing from the checkpoint: {shown}")
+    unscaled = sorted(needs_scale - scaled)
+    if unscaled:
+        shown = ", ".join(n.removesuffix(".weight") + WEIGHT_SCALE for n in unscaled[:5])
+        raise ModelLoadError(f"{model_dir}: {len(unscaled)} FP8 weight(s) without their scale in the checkpoint: {shown}")
 
 
 def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
@@ -231,7 +298,10 @@ def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> No
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        if "norm" in name:
+        if isinstance(tensor, nn.Module):  # a projection: random float rows, quantised if it is FP8
+            rows = torch.empty(tensor.weight.shape, dtype=model.dtype, device=model.device).normal_(0.0, std, generator=gen)
+            tensor.load_rows(0, rows)
+        elif "norm" in name:
             tensor.fill_(1.0)
         elif name.endswith(".bias"):
             tensor.zero_()
@@ -245,14 +315,16 @@ def load_model(
     device: torch.device | str,
     attention: AttentionBackend,
     load_format: str = "safetensors",
+    quantization: str = "none",
 ) -> tuple[CausalLM, ModelInfo]:
     """Build our model for `model` (folder or cached hub id) on `device`.
 
     load_format "safetensors" reads the checkpoint; "random" fills the config's shapes with random
-    weights (benchmarks without a download; the folder needs no weight files).
+    weights (benchmarks without a download; the folder needs no weight files). quantization fp8:
+    the decoder layers' projections in FP8 (resolve_quantization).
     """
     model_dir, hf, gen = _read_configs(model)
-    cfg = _model_config(model_dir, hf)
+    cfg = _model_config(model_dir, hf, quantization)
     torch_dtype = resolve_dtype(dtype, device, hf)
     with torch.device(device):
         net = CausalLM(cfg, attention, torch_dtype)

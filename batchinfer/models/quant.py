@@ -1,0 +1,153 @@
+"""FP8 (float8_e4m3fn) numerics and the FP8 matrix products, chosen by name.
+
+Weights: one scale per output channel (row of W [N, K]), scale = amax(|row|) / 448 (448 is the
+largest finite e4m3 value), W_fp8 = round(W / scale). Activations: one scale per token (row of
+x [T, K]), computed at every call the same way (dynamic). The product is then
+
+    y = (x_fp8 @ W_fp8^T) * x_scale[T, 1] * w_scale[1, N]  (+ bias)
+
+Two matrix-product backends compute exactly that, by name (FP8_MATMULS):
+  scaled_mm: torch._scaled_mm on CUDA GPUs of compute capability >= 8.9 (Ada, Hopper) with
+      row-wise scales (scale_a [T, 1], scale_b [1, N], float32; bfloat16 output; K and N
+      multiples of 16: torch's requirement); FP8 tensor cores, float32 accumulation.
+  dequant: the FP8 values widened to the model's dtype and multiplied by an ordinary matmul, the
+      scales applied to the result; everywhere else (CPU, older GPUs, other output dtypes). The
+      activations are quantised the same way first, so both compute the same math up to the
+      order of accumulation.
+`fp8_matmul_for(device, dtype, in_features, out_features)` picks one; callers never ask which.
+
+Checkpoints already in FP8 (config.json quantization_config): `checkpoint_quantization` reads the
+common formats (quant_method "fp8", and compressed-tensors float8 with tensor or channel weight
+scales) and refuses every other one with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+QUANTIZATIONS = ("none", "fp8")
+# a row of zeros gets this scale instead of 0 (its values quantise to 0 either way)
+MIN_SCALE = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] (any float dtype) -> (x_fp8 [R, C] float8_e4m3fn, scale [R] float32), one scale a row:
+    scale = amax(|row|) / 448, x_fp8 = x / scale (so every row's largest value maps to +-448)."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_(min=MIN_SCALE)
+    q = (x32 / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize_rows: q [R, C] FP8, scale [R] (or a scalar) -> q * scale in `dtype`."""
+    s = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(())
+    return (q.float() * s).to(dtype)
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations x [T, K] -> (x_fp8 [T, K], scale [T, 1] float32): dynamic per-token scales."""
+    q, scale = quantize_rows(x)
+    return q, scale.unsqueeze(-1)
+
+
+# --- the matrix products -----------------------------------------------------------------------
+
+# (x [T, K] in the model's dtype, w_fp8 [N, K], w_scale [N] float32, bias [N] | None, w_float [N, K] | None)
+# -> y [T, N] in x's dtype. w_float: the FP8 values already widened to x's dtype (the dequant
+# backend's cache on the CPU), or None.
+Fp8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
+
+
+def _scaled_mm(x, w_fp8, w_scale, bias, w_float=None):
+    xq, x_scale = quantize_tokens(x)
+    # _scaled_mm wants mat2 column-major: w_fp8 is row-major [N, K], so its transpose [K, N] is
+    y = torch._scaled_mm(
+        xq, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), bias=bias, out_dtype=x.dtype, use_fast_accum=True
+    )
+    return y[0] if isinstance(y, tuple) else y  # torch < 2.5 returned (out, amax)
+
+
+def _dequant(x, w_fp8, w_scale, bias, w_float=None):
+    xq, x_scale = quantize_tokens(x)
+    w = w_float if w_float is not None else w_fp8.to(x.dtype)
+    y = torch.nn.functional.linear(xq.to(x.dtype), w)
+    y = (y.float() * x_scale * w_scale.view(1, -1)).to(x.dtype)
+    return y + bias if bias is not None else y
+
+
+FP8_MATMULS: dict[str, Fp8Matmul] = {"scaled_mm": _scaled_mm, "dequant": _dequant}
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """torch._scaled_mm with row-wise scales runs here: a CUDA GPU of compute capability >= 8.9."""
+    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_matmul_for(device: torch.device, dtype: torch.dtype, in_features: int, out_features: int) -> str:
+    """The backend name for a layer: scaled_mm where the FP8 tensor cores can take it, else dequant."""
+    if scaled_mm_supported(device) and dtype == torch.bfloat16 and in_features % 16 == 0 and out_features % 16 == 0:
+        return "scaled_mm"
+    return "dequant"
+
+
+# --- checkpoints already in FP8 --------------------------------------------------------------
+
+
+def checkpoint_quantization(hf: dict) -> str | None:
+    """None for an unquantised checkpoint, "fp8" for one in a supported FP8 format.
+
+    Raises ValueError naming the config.json field for any other quantization_config."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError("config.json: quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise ValueError(
+                "config.json: quantization_config.weight_block_size (block-wise FP8 scales) is not supported; "
+                "per-tensor and per-channel FP8 checkpoints are"
+            )
+        fmt = qc.get("fmt", "e4m3")
+        if fmt not in ("e4m3", "float8_e4m3fn"):
+            raise ValueError(f"config.json: quantization_config.fmt {fmt!r} is not supported (only e4m3)")
+        return "fp8"
+    if method == "compressed-tensors":
+        _check_compressed_tensors(qc)
+        return "fp8"
+    raise ValueError(
+        f"config.json: quantization_config.quant_method {method!r} is not supported "
+        "(FP8 checkpoints are: quant_method fp8, or compressed-tensors float8)"
+    )
+
+
+def _check_compressed_tensors(qc: dict) -> None:
+    fmt = qc.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ValueError(
+            f"config.json: quantization_config.format {fmt!r} (compressed-tensors) is not supported; "
+            "only float-quantized (float8) checkpoints are"
+        )
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ValueError("config.json: quantization_config.config_groups (compressed-tensors) is empty")
+    for name, group in groups.items():
+        w = (group or {}).get("weights") or {}
+        if w.get("num_bits") != 8 or w.get("type") != "float":
+            raise ValueError(
+                f"config.json: quantization_config.config_groups.{name}.weights must be 8-bit float "
+                f"(got num_bits {w.get('num_bits')!r}, type {w.get('type')!r})"
+            )
+        if w.get("strategy") not in ("tensor", "channel"):
+            raise ValueError(
+                f"config.json: quantization_config.config_groups.{name}.weights.strategy {w.get('strategy')!r} "
+                "is not supported (tensor or channel)"
+            )

@@ -332,3 +332,79 @@ def test_engine_greedy_with_fp8_weights(model_factory):
         assert engine.model_info.quantization == "fp8"
         results = {r.request_id: r for r in engine.generate(reqs)}
     assert all(r.finish_reason == "length" and len(r.output_token_ids) == 8 for r in results.values())
+
+
+# --- bench throughput --quantization fp8 -----------------------------------------------------------
+
+
+def test_floor_with_fp8_projections_by_hand():
+    from batchinfer.bench.roofline import Ceilings, workload_floor
+
+    ceil = Ceilings("x", copy_bytes_per_s=1e9, matmul_flops_per_s=1e12, fp8_matmul_flops_per_s=2e12)
+    kw = dict(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=16, layer_params=1000,
+              dtype_bytes=2, kv_capacity_tokens=10**6, ceilings=ceil)
+    bf16 = workload_floor([10], [5], weight_bytes=4000, **kw)
+    fp8 = workload_floor([10], [5], weight_bytes=2000, layer_flops_per_s=2e12, **kw)
+    layer = 2 * 1000 * 15
+    other = 2 * 16 * 8 * (1 + 5) + 4 * 2 * 2 * 4 * (55 + (5 * 10 + 10))
+    assert bf16.compute_s == pytest.approx((layer + other) / 1e12)
+    assert fp8.compute_s == pytest.approx(layer / 2e12 + other / 1e12)
+    assert bf16.bytes - fp8.bytes == 5 * 2000  # five decode steps read the weights, FP8 half the bytes
+
+
+def test_bench_throughput_fp8_reports_both_floors(tiny_model, tmp_path):
+    from batchinfer.bench.throughput import format_report, run_throughput
+
+    r = run_throughput(str(tiny_model), "nano256", {"quantization": "fp8"}, scale=0.02, cache_dir=tmp_path)
+    assert r["errors"] == 0 and r["quantization"] == "fp8" and r["engine"]["quantization"] == "fp8"
+    floors = r["floors"]
+    assert floors["fp8"]["bytes"] < floors["bf16"]["bytes"] and r["floor"] == {k: v for k, v in floors["fp8"].items()
+                                                                               if k in r["floor"]}
+    assert r["ceilings"]["fp8_matmul_TFLOPs"] is None  # no FP8 tensor cores on the CPU: the FP8 floor uses the 16-bit rate
+    text = format_report(r)
+    assert "fp8 weights" in text and "vs 16-bit floor" in text and "vs FP8 floor" in text
+
+
+# --- the per-token quantisation kernel (Triton interpreter on the CPU) ------------------------------
+
+
+def _e4m3_grid_and_midpoints() -> torch.Tensor:
+    """Every finite e4m3 value, every midpoint between neighbours and the floats either side of it."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    values = torch.sort(values[~values.isnan()].unique()).values
+    mids = (values[1:] + values[:-1]) / 2
+    up, down = torch.full_like(mids, 1e9), torch.full_like(mids, -1e9)
+    return torch.cat([values, mids, torch.nextafter(mids, up), torch.nextafter(mids, down)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_kernel_is_bit_identical_to_the_reference(dtype):
+    pytest.importorskip("triton")
+    from batchinfer.kernels.fp8_quant import quantize_fp8_tokens
+    from batchinfer.kernels.reference import quantize_fp8_tokens as reference
+
+    grid = _e4m3_grid_and_midpoints()
+    rows = [torch.cat([grid, torch.tensor([448.0])])]  # scale exactly 1: every tie and its neighbours
+    gen = torch.Generator().manual_seed(3)
+    rows += [torch.randn(rows[0].numel(), generator=gen) * 10.0**e for e in (-6, -2, 0, 3)]
+    x = torch.stack(rows)
+    x[2, :50] = 0.0
+    x[3, :200] *= 1e-5  # values that land in e4m3's subnormals
+    x = torch.cat([x, torch.zeros(1, x.shape[1])]).to(dtype)
+    q, scale = quantize_fp8_tokens(x, block=256)  # several tiles a row, the last one partial
+    want_q, want_scale = reference(x)
+    assert torch.equal(scale, want_scale) and scale.shape == (x.shape[0], 1)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@settings(max_examples=15, deadline=None)
+@given(t=st.integers(1, 6), k=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_quant_kernel_shapes(t, k, seed):
+    pytest.importorskip("triton")
+    from batchinfer.kernels.fp8_quant import quantize_fp8_tokens
+    from batchinfer.kernels.reference import quantize_fp8_tokens as reference
+
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    q, scale = quantize_fp8_tokens(x, block=64)
+    want_q, want_scale = reference(x)
+    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

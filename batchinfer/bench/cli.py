@@ -56,6 +56,9 @@ def throughput(
     grammar_backend: Optional[str] = typer.Option(None, "--grammar-backend", help="auto | xgrammar | llguidance | outlines (docs1000-json)."),
     grammar_threads: Optional[int] = typer.Option(None, "--grammar-threads", help="Threads that fill grammar masks."),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="torch's CPU threads (default: 1 on a GPU)."),
+    quantization: Optional[str] = typer.Option(
+        None, "--quantization", help="none | fp8: the decoder projections in FP8 (reported against the 16-bit and the FP8 floor)."
+    ),
     profile_dir: Optional[Path] = typer.Option(None, "--profile-dir", help="Profile a few steps of the measured run into this folder."),
     speculative: Optional[str] = typer.Option(
         None, "--speculative", help="ngram | grammar | ngram+grammar | oracle (drafts = a recorded plain run's output)."
@@ -84,6 +87,7 @@ def throughput(
             grammar_backend=grammar_backend,
             grammar_threads=grammar_threads,
             torch_threads=torch_threads,
+            quantization=quantization,
         ).items()
         if v is not None
     }

@@ -19,6 +19,7 @@ from batchinfer.bench.shapes import SHAPES, write_shape
 from batchinfer.bench.workloads import make_workload
 from batchinfer.engine.config import EngineConfig
 from batchinfer.io.model_files import kv_bytes_per_token
+from batchinfer.models.loader import load_model_info
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +193,7 @@ def run_throughput(
     dtype_bytes = torch.finfo(info.dtype).bits // 8
     kv_per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
     kv_capacity = engine.runner.num_blocks * cfg.block_size  # as sized by engine/kv_budget.py
-    floor = workload_floor(
-        prompt_lens,
-        out_lens,
+    shape = dict(
         num_layers=info.num_layers,
         hidden_size=info.hidden_size,
         num_heads=info.num_heads,
@@ -202,20 +201,30 @@ def run_throughput(
         head_dim=info.head_dim,
         vocab_size=info.vocab_size,
         layer_params=layer_params,
-        weight_bytes=all_params * dtype_bytes,
         dtype_bytes=dtype_bytes,
         kv_capacity_tokens=kv_capacity,
         ceilings=ceilings,
     )
+    # Two floors: every weight in the model's dtype at the 16-bit matrix rate, and FP8 projections
+    # (1 byte a weight) at the measured FP8 rate (the 16-bit one where the device has none).
+    fp8 = info.quantization == "fp8"
+    fp8_weight_bytes = info.weight_bytes if fp8 else load_model_info(folder, "bfloat16", "cpu", "fp8").weight_bytes
+    fp8_rate = ceilings.fp8_matmul_flops_per_s
+    floors = {
+        "bf16": workload_floor(prompt_lens, out_lens, weight_bytes=all_params * dtype_bytes, **shape),
+        "fp8": workload_floor(prompt_lens, out_lens, weight_bytes=fp8_weight_bytes, layer_flops_per_s=fp8_rate, **shape),
+    }
+    floor = floors["fp8" if fp8 else "bf16"]
     breakdown = step_breakdown(
         steps,
-        weight_bytes=all_params * dtype_bytes,
+        weight_bytes=info.weight_bytes,
         kv_bytes_per_token=kv_per_token,
         block_size=cfg.block_size,
         flops_per_token=2 * layer_params,
         lm_head_flops=2 * info.vocab_size * info.hidden_size,
         copy_bytes_per_s=ceilings.copy_bytes_per_s,
         matmul_flops_per_s=ceilings.matmul_flops_per_s,
+        layer_flops_per_s=fp8_rate if fp8 else None,
     )
     cpu_ms = [getattr(s, "schedule_ms", None) for s in steps]
     step_ms = [getattr(s, "step_ms", None) for s in steps]
@@ -228,6 +237,7 @@ def run_throughput(
         "model": model,
         "device": ceilings.device,
         "dtype": str(info.dtype).replace("torch.", ""),
+        "quantization": info.quantization,
         "engine": {k: v for k, v in cfg.__dict__.items() if k != "model"},
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -238,10 +248,13 @@ def run_throughput(
         "requests_per_s": len(results) / elapsed,
         "output_tokens_per_s": total_out / elapsed,
         "total_tokens_per_s": (total_out + total_prompt) / elapsed,
-        "ceilings": {"copy_GBps": ceilings.copy_bytes_per_s / 1e9, "matmul_TFLOPs": ceilings.matmul_flops_per_s / 1e12},
+        "ceilings": {"copy_GBps": ceilings.copy_bytes_per_s / 1e9, "matmul_TFLOPs": ceilings.matmul_flops_per_s / 1e12,
+                     "fp8_matmul_TFLOPs": fp8_rate / 1e12 if fp8_rate else None},
         "floor": floor.as_dict(),
         "floor_output_tokens_per_s": total_out / floor.floor_s,
         "fraction_of_roofline": floor.floor_s / elapsed,
+        "floors": {k: {**f.as_dict(), "output_tokens_per_s": total_out / f.floor_s, "fraction": f.floor_s / elapsed}
+                   for k, f in floors.items()},
         "steps": len(steps),
         "decode_steps": len(decode_steps),
         "cpu_schedule_ms_mean": statistics.fmean(cpu_ms) if cpu_ms else None,
@@ -293,12 +306,14 @@ def step_breakdown(
     lm_head_flops: float,
     copy_bytes_per_s: float,
     matmul_flops_per_s: float,
+    layer_flops_per_s: float | None = None,
 ) -> list[dict]:
     """Where the measured time went: steps grouped by kind (steps with prefill tokens; decode-only
     steps by their number of rows), each group's wall time against its own per-step floor.
 
     A step's floor is the larger of (weights + the KV of every block in use) over the copy bandwidth
-    and its tokens' layer FLOPs (plus the LM head of its decode rows) over the matrix rate; KV in use counts whole blocks, so it slightly
+    and its tokens' layer FLOPs (at layer_flops_per_s: FP8's with FP8 weights) plus the LM head of its decode rows over the
+    matrix rate; KV in use counts whole blocks, so it slightly
     overstates the bytes a step must read (the floor is a little generous, never too strict).
     """
     groups: dict[str, dict] = {}
@@ -317,7 +332,7 @@ def step_breakdown(
         kv_tokens = s.kv_blocks_used * block_size
         tokens = s.num_prefill_tokens + s.num_decode_tokens
         mem = (weight_bytes + kv_tokens * kv_bytes_per_token) / copy_bytes_per_s
-        comp = (tokens * flops_per_token + rows * lm_head_flops) / matmul_flops_per_s
+        comp = tokens * flops_per_token / (layer_flops_per_s or matmul_flops_per_s) + rows * lm_head_flops / matmul_flops_per_s
         g["steps"] += 1
         g["ms"] += s.step_ms
         g["max_ms"] = max(g["max_ms"], s.step_ms)
@@ -346,7 +361,9 @@ def format_report(r: dict) -> str:
     f = r["floor"]
     lines = [
         f"workload {r['workload']} ({r['description']})",
-        f"model {r['model']} on {r['device']} ({r['dtype']}); {r['requests']} requests, {r['errors']} errors",
+        f"model {r['model']} on {r['device']} ({r['dtype']}"
+        + (f", {r['quantization']} weights" if r.get("quantization", "none") != "none" else "")
+        + f"); {r['requests']} requests, {r['errors']} errors",
         f"elapsed {r['elapsed_s']:.2f} s: {r['requests_per_s']:.2f} req/s, "
         f"{r['output_tokens_per_s']:,.0f} output tok/s, {r['total_tokens_per_s']:,.0f} total tok/s",
         f"ceilings: copy {r['ceilings']['copy_GBps']:,.0f} GB/s, matmul {r['ceilings']['matmul_TFLOPs']:,.1f} TFLOP/s",
@@ -354,6 +371,13 @@ def format_report(r: dict) -> str:
         f"concurrency {f['concurrency']}, min steps {f['min_steps']}) = {r['floor_output_tokens_per_s']:,.0f} output tok/s",
         f"achieved / floor: {100 * r['fraction_of_roofline']:.1f}% of the roofline",
     ]
+    if r.get("quantization", "none") != "none" and r.get("floors"):
+        c = r["ceilings"].get("fp8_matmul_TFLOPs")
+        for key, label in (("bf16", "16-bit floor (16-bit weights and matrix rate)"),
+                           ("fp8", f"FP8 floor (FP8 weight bytes, FP8 matrix rate {f'{c:,.1f} TFLOP/s' if c else 'n/a: 16-bit rate'})")):
+            fl = r["floors"][key]
+            lines.append(f"  vs {label}: {fl['floor_s']:.2f} s ({fl['bound']}-bound) = {fl['output_tokens_per_s']:,.0f} output tok/s; "
+                         f"achieved {100 * fl['fraction']:.1f}%")
     if r.get("cpu_share_of_step") is not None:
         lines.append(
             f"steps {r['steps']} (decode-only {r['decode_steps']}), mean step {r['step_ms_mean']:.2f} ms, "
@@ -495,6 +519,8 @@ def aggregate_data_parallel(parts: list[dict]) -> dict:
         output_tokens_per_s=out / elapsed,
         total_tokens_per_s=(out + prompt) / elapsed,
         floor=floor_part["floor"],
+        floors={k: {**f, "output_tokens_per_s": out / f["floor_s"], "fraction": f["floor_s"] / elapsed}
+                for k, f in (floor_part.get("floors") or {}).items()},
         floor_output_tokens_per_s=out / floor_s,
         floor_x_n_output_tokens_per_s=sum(r["floor_output_tokens_per_s"] for r in parts),
         fraction_of_roofline=floor_s / elapsed,

@@ -64,6 +64,8 @@ VARIANTS = [
             dict(HQ=28, HK=4, HALF=64, BLOCK_HQ=32, BLOCK_HK=4, BLOCK_R=64)),
     Variant("activation", "_silu_and_mul_kernel", {"default": "bf16"}, dict(BLOCK=1024)),
     Variant("bitmask", "_bitmask_kernel", {"default": "fp32", "mask_ptr": "i32"}, dict(BLOCK=4096)),
+    Variant("fp8_quant", "_quant_fp8_rows_kernel", {"default": "bf16", "q_ptr": "fp8e4nv", "scale_ptr": "fp32"},
+            dict(BLOCK=1024), ("fp8_max", "min_scale")),
 ]
 
 

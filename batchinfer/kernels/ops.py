@@ -101,3 +101,12 @@ def rotary_with_cos_sin_cache(
     """Drop-in for models/rope.py RotaryEmbedding.forward: cos_sin_cache is [max_pos, D] = [cos | sin]."""
     half = cos_sin_cache.shape[-1] // 2
     return apply_rotary(q, k, positions, cos_sin_cache[:, :half], cos_sin_cache[:, half:])
+
+
+def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 quantisation: x [T, K] -> (float8_e4m3fn [T, K], scale [T, 1] float32)."""
+    if use_triton(x):
+        from batchinfer.kernels.fp8_quant import quantize_fp8_tokens as fn
+
+        return fn(x)
+    return reference.quantize_fp8_tokens(x)

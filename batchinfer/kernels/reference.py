@@ -148,3 +148,22 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     words = bitmask[:, word_index.clamp(max=bitmask.shape[1] - 1)].long()
     allowed = ((words >> (tokens % 32)) & 1).bool() & inside
     logits.masked_fill_(~allowed, float("-inf"))
+
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_MIN_SCALE = 1e-12  # a row of zeros gets this scale instead of 0 (its values quantise to 0 either way)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (float8_e4m3fn [R, C], scale [R] float32), one scale a row: scale = amax(|row|) / 448,
+    q = x / scale rounded to nearest (every row's largest value maps to +-448)."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_(min=FP8_MIN_SCALE)
+    q = (x32 / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations x [T, K] -> (float8_e4m3fn [T, K], scale [T, 1] float32): per-token quantize_fp8_rows."""
+    q, scale = quantize_fp8_rows(x)
+    return q, scale.unsqueeze(-1)

@@ -27,20 +27,15 @@ from typing import Callable
 
 import torch
 
+from batchinfer.kernels import ops, reference
+
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+FP8_MAX = reference.FP8_MAX  # 448, the largest finite e4m3 value
 QUANTIZATIONS = ("none", "fp8")
-# a row of zeros gets this scale instead of 0 (its values quantise to 0 either way)
-MIN_SCALE = 1e-12
 
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] (any float dtype) -> (x_fp8 [R, C] float8_e4m3fn, scale [R] float32), one scale a row:
-    scale = amax(|row|) / 448, x_fp8 = x / scale (so every row's largest value maps to +-448)."""
-    x32 = x.float()
-    scale = (x32.abs().amax(dim=-1) / FP8_MAX).clamp_(min=MIN_SCALE)
-    q = (x32 / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+# x [R, C] (any float dtype) -> (x_fp8 [R, C] float8_e4m3fn, scale [R] float32), one scale a row:
+# scale = amax(|row|) / 448, x_fp8 = x / scale (every row's largest value maps to +-448)
+quantize_rows = reference.quantize_fp8_rows
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -50,9 +45,11 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations x [T, K] -> (x_fp8 [T, K], scale [T, 1] float32): dynamic per-token scales."""
-    q, scale = quantize_rows(x)
-    return q, scale.unsqueeze(-1)
+    """Activations x [T, K] -> (x_fp8 [T, K], scale [T, 1] float32): dynamic per-token scales
+    (one fused Triton kernel on CUDA, kernels/fp8_quant.py; the same math in PyTorch elsewhere)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return ops.quantize_fp8_tokens(x)
 
 
 # --- the matrix products -----------------------------------------------------------------------

@@ -91,7 +91,8 @@ def model_facts(config: dict[str, Any] | None, device: dict[str, Any]) -> dict[s
 
         model_dir = resolve_model_dir(path)
         hf = read_config(model_dir)
-        info = load_model_info(path, model.get("dtype") or "auto", "cuda" if device["kind"] == "cuda" else "cpu")
+        info = load_model_info(path, model.get("dtype") or "auto", "cuda" if device["kind"] == "cuda" else "cpu",
+                               model.get("quantization") or "none")
     except Exception as e:  # the folder moved, or is not one we can read: say so, keep what the job says
         return {**facts, "quantization": quant, "note": f"model folder not readable now: {type(e).__name__}: {e}"}
     if quant is None and isinstance(hf.get("quantization_config"), dict):
@@ -103,6 +104,7 @@ def model_facts(config: dict[str, Any] | None, device: dict[str, Any]) -> dict[s
         "dtype": str(info.dtype).removeprefix("torch."),
         "quantization": quant or "none",
         "params": info.num_params,
+        "weight_bytes": info.weight_bytes,
         "layer_params": info.num_layer_params,
         "num_layers": info.num_layers,
         "hidden_size": info.hidden_size,
@@ -166,7 +168,7 @@ def roofline_facts(
         prompt_lens, output_lens, num_layers=model["num_layers"], hidden_size=model["hidden_size"],
         num_heads=model["num_heads"], num_kv_heads=model["num_kv_heads"], head_dim=model["head_dim"],
         vocab_size=model["vocab_size"], layer_params=model["layer_params"],
-        weight_bytes=model["params"] * dtype_bytes, dtype_bytes=dtype_bytes,
+        weight_bytes=model.get("weight_bytes") or model["params"] * dtype_bytes, dtype_bytes=dtype_bytes,
         kv_capacity_tokens=kv_total_blocks * block_size * n, ceilings=scaled,
     )
     return {

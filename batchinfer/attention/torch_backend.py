@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from batchinfer.attention.base import AttentionMetadata, GraphBuffers, ToDevice, pack_metadata
+from batchinfer.kernels.reference import from_kv_cache, to_kv_cache
 
 TILE_ROWS = 256  # query rows per prefill tile (bounds a group's score matrix)
 MAX_PADDING = 2.0  # a group's padded work may be at most this times its real work ...
@@ -34,11 +35,19 @@ MIN_GROUP_WORK = 1 << 16  # ... unless the group is this small (query rows x key
 MAX_GROUP_SCORES = 1 << 24  # query rows x keys per group (x heads: the score matrix), bounds memory
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Copy k/v [T, kv_heads, head_dim] into the caches at slots [T]; slots < 0 are not written."""
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, kv_scale: float = 1.0
+) -> None:
+    """Copy k/v [T, kv_heads, head_dim] into the caches at slots [T]; slots < 0 are not written. An
+    FP8 cache stores them divided by kv_scale (kernels/reference.py to_kv_cache)."""
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
+    if k_cache.dtype == torch.float8_e4m3fn:  # copied as bytes: index_copy_ has no FP8 kernel everywhere
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            flat = cache.view(torch.uint8).view(-1, *cache.shape[2:])
+            flat.index_copy_(0, slots, to_kv_cache(x, cache.dtype, kv_scale).view(torch.uint8))
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
@@ -142,13 +151,22 @@ def _build_group(tiles: list[_Tile], tables: np.ndarray, block_size: int, group:
     )
 
 
+def _select(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """flat.index_select(0, slots); an FP8 cache through its bytes (index_select has no FP8 kernel everywhere)."""
+    if flat.dtype == torch.float8_e4m3fn:
+        return flat.view(torch.uint8).index_select(0, slots).view(flat.dtype)
+    return flat.index_select(0, slots)
+
+
 class TorchAttentionBackend:
-    """AttentionBackend in plain PyTorch (any device; used on CPU)."""
+    """AttentionBackend in plain PyTorch (any device; used on CPU). kv_scale: the per-tensor scale of
+    an FP8 KV cache (stored x / kv_scale, read back times it); a cache in the model's dtype ignores it."""
 
     name = "torch"
     graph_safe = False  # loops over sequences on the host (query_lens_cpu): nothing to capture
 
-    def __init__(self) -> None:
+    def __init__(self, kv_scale: float = 1.0) -> None:
+        self.kv_scale = kv_scale
         # The plan of the step being run (all layers share one AttentionMetadata): (meta, key, groups).
         self._plan: tuple[AttentionMetadata, tuple, list[_Group]] | None = None
 
@@ -179,33 +197,35 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.kv_scale)
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads
         groups = self._groups(meta, k_cache.shape[1], group, q.device, q.dtype)
         k_flat = k_cache.view(-1, kv_heads, head_dim)
         v_flat = v_cache.view(-1, kv_heads, head_dim)
+        s = self.kv_scale
         if len(groups) == 1 and groups[0].q_index is None and groups[0].n * groups[0].q_rows == q.shape[0]:
-            return self._attend(q, k_flat, v_flat, groups[0], group, scale).view_as(q)
+            return self._attend(q, k_flat, v_flat, groups[0], group, scale, s).view_as(q)
         out = torch.zeros_like(q)  # rows of zero-length queries stay 0
         for g in groups:
             if g.q_index is None:
                 rows = q.narrow(0, g.start, g.n * g.q_rows)
-                out.narrow(0, g.start, g.n * g.q_rows).copy_(self._attend(rows, k_flat, v_flat, g, group, scale))
+                out.narrow(0, g.start, g.n * g.q_rows).copy_(self._attend(rows, k_flat, v_flat, g, group, scale, s))
             else:
-                attended = self._attend(q.index_select(0, g.q_index), k_flat, v_flat, g, group, scale)
+                attended = self._attend(q.index_select(0, g.q_index), k_flat, v_flat, g, group, scale, s)
                 out.index_copy_(0, g.dst, attended.index_select(0, g.src))
         return out
 
     @staticmethod
-    def _attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, g: _Group, group: int, scale: float):
+    def _attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, g: _Group, group: int, scale: float,
+                kv_scale: float = 1.0):
         """q: [n * q_rows, heads, head_dim] of one group -> attended, same shape (rows in tile order)."""
         n, rows, keys = g.n, g.q_rows, g.keys
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = heads // group
-        keys_t = k_flat.index_select(0, g.slots).view(n, keys, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        values = v_flat.index_select(0, g.slots).view(n, keys, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        keys_t = from_kv_cache(_select(k_flat, g.slots), q.dtype, kv_scale).view(n, keys, kv_heads, head_dim).transpose(1, 2)
+        values = from_kv_cache(_select(v_flat, g.slots), q.dtype, kv_scale).view(n, keys, kv_heads, head_dim).transpose(1, 2)
         if rows == 1:  # decode: the G query heads of a kv head are the query axis
             query = q.view(n, kv_heads, group, head_dim)
             out = F.scaled_dot_product_attention(query, keys_t, values, attn_mask=g.mask, scale=scale)

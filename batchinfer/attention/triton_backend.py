@@ -32,7 +32,9 @@ class TritonAttentionBackend:
     decode_splits: context slices per (sequence, KV head) in decode; None: chosen from the batch
         size (kernels.decode_attention.decode_splits; fixed per batch size, so CUDA-graph safe);
     decode_block_n / extend_block_n: keys per inner iteration; extend_block_rows: query rows
-    (tokens x GQA heads) per extend program.
+    (tokens x GQA heads) per extend program;
+    kv_scale: the per-tensor scale of an FP8 KV cache (values stored as x / kv_scale, read back times
+        it: engine.kv_cache_scale); a cache in the model's dtype ignores it.
     """
 
     gqa_group: int = 1
@@ -42,6 +44,7 @@ class TritonAttentionBackend:
     decode_stages: int | None = None
     extend_block_rows: int = 64
     extend_block_n: int = 64
+    kv_scale: float = 1.0
     name: ClassVar[str] = "triton"
     graph_safe: ClassVar[bool] = True
 
@@ -85,12 +88,13 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        s = self.kv_scale if k_cache.dtype == torch.float8_e4m3fn else 1.0
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, s, s)
         if meta.decode_only and q.shape[0] == meta.seq_lens.shape[0]:
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                 num_splits=self.decode_splits, block_n=self.decode_block_n,
-                num_warps=self.decode_warps, num_stages=self.decode_stages,
+                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=s, v_scale=s,
             )
         # rows past the last sequence (padding) are never written by the kernels: zero them
         out = torch.zeros_like(q) if q.shape[0] > sum(meta.query_lens_cpu) else torch.empty_like(q)
@@ -112,10 +116,10 @@ class TritonAttentionBackend:
             paged_decode_attention(
                 q[:n_dec], k_cache, v_cache, meta.block_tables[:n_dec], dec_lens, scale,
                 num_splits=self.decode_splits, block_n=self.decode_block_n, out=out[:n_dec],
-                num_warps=self.decode_warps, num_stages=self.decode_stages,
+                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=s, v_scale=s,
             )
         return paged_extend_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, scale, block_rows=self.extend_block_rows, block_n=self.extend_block_n,
-            out=out, first_seq=n_dec, tiles=tiles,
+            out=out, first_seq=n_dec, tiles=tiles, k_scale=s, v_scale=s,
         )

@@ -26,6 +26,12 @@ class EngineConfig:
     block_size: tokens per KV block.
     kv_cache_memory_fraction: share of free GPU memory (after a profiling forward) given to the KV cache.
     kv_cache_gib: size of the KV cache on CPU.
+    kv_cache_dtype: auto (the model's dtype) | fp8_e4m3: the KV cache in float8_e4m3fn, a byte an
+        element (twice the tokens in the same memory, half the bytes a decode step reads). Written as
+        value / kv_cache_scale, saturated at +-448 and rounded to nearest, read back times the scale.
+    kv_cache_scale: the FP8 KV cache's one scale for every layer, K and V (default 1.0: e4m3 then
+        covers |values| up to 448 and keeps 3 mantissa bits down to 2^-6, which K and V of the
+        supported models fit; a model with larger K or V wants a larger scale). Ignored with auto.
     num_kv_blocks: force this many KV blocks (tests; overrides both sizes above).
     enable_prefix_sharing: share KV blocks of identical full-block prefixes between sequences.
     attention_backend: auto | torch | triton (auto: triton on a GPU, torch on CPU).
@@ -60,6 +66,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.9
     kv_cache_gib: float = 1.0
+    kv_cache_dtype: str = "auto"
+    kv_cache_scale: float = 1.0
     num_kv_blocks: int | None = None
     enable_prefix_sharing: bool = True
     attention_backend: str = "auto"
@@ -85,6 +93,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be none or fp8, not {self.quantization!r}")
         if self.load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be safetensors or random, not {self.load_format!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, not {self.kv_cache_dtype!r}")
+        if not self.kv_cache_scale > 0:
+            raise ValueError(f"kv_cache_scale must be > 0, not {self.kv_cache_scale!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

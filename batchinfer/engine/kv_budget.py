@@ -26,6 +26,13 @@ SORT_BYTES_PER_LOGIT = 4 + 4 + 8 + 12
 NOISE_BYTES_PER_ELEMENT = 3 * 8 + 4  # live int64 temporaries of the counter-based hash, float32 noise
 
 
+def kv_cache_dtype(config: EngineConfig, info: ModelInfo):
+    """The KV cache's torch dtype: the model's (auto) or float8_e4m3fn (fp8_e4m3)."""
+    import torch
+
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else info.dtype
+
+
 def max_blocks_per_seq(config: EngineConfig, info: ModelInfo) -> int:
     """Blocks one sequence of the longest allowed length holds."""
     max_len = config.max_model_len or info.max_position_embeddings
@@ -59,7 +66,7 @@ def kv_cache_blocks(config: EngineConfig, info: ModelInfo, budget_bytes: int) ->
     ValueError if not even one block fits."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_block_bytes(info.num_layers, config.block_size, info.num_kv_heads, info.head_dim, info.dtype)
+    per_block = kv_block_bytes(info.num_layers, config.block_size, info.num_kv_heads, info.head_dim, kv_cache_dtype(config, info))
     blocks = min(budget_bytes // per_block, config.max_num_seqs * max_blocks_per_seq(config, info))
     if blocks < 1:
         raise ValueError(f"the KV cache budget ({budget_bytes} bytes) does not hold a single {per_block}-byte block")
@@ -81,7 +88,7 @@ def estimate_activation_bytes(config: EngineConfig, info: ModelInfo) -> int:
     d = info.dtype.itemsize
     tokens = config.max_num_batched_tokens
     rows = min(config.max_num_seqs, tokens)
-    scratch_kv = tokens * 2 * info.num_layers * info.num_kv_heads * info.head_dim * d
+    scratch_kv = tokens * 2 * info.num_layers * info.num_kv_heads * info.head_dim * kv_cache_dtype(config, info).itemsize
     q, kv = info.num_heads * info.head_dim, info.num_kv_heads * info.head_dim
     widest = max(3 * info.intermediate_size, 2 * (q + 2 * kv) + q)
     forward = tokens * (2 * info.hidden_size + widest) * d

@@ -118,7 +118,9 @@ class ModelRunner:
             torch.set_num_threads(threads)  # process-wide: see EngineConfig.torch_threads
         self.block_size = config.block_size
         shape = load_model_info(config.model, config.dtype, self.device, config.quantization)
-        self.attention = get_attention_backend(config.attention_backend, self.device, shape.num_heads // shape.num_kv_heads)
+        self.attention = get_attention_backend(
+            config.attention_backend, self.device, shape.num_heads // shape.num_kv_heads, kv_scale=config.kv_cache_scale
+        )
         self.model, self.info = load_model(
             config.model, config.dtype, self.device, self.attention, load_format=config.load_format,
             quantization=config.quantization,
@@ -209,7 +211,8 @@ class ModelRunner:
 
     def _allocate(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         i = self.info
-        return allocate_kv_cache(i.num_layers, num_blocks, self.block_size, i.num_kv_heads, i.head_dim, i.dtype, self.device)
+        dtype = kv_budget.kv_cache_dtype(self.config, i)
+        return allocate_kv_cache(i.num_layers, num_blocks, self.block_size, i.num_kv_heads, i.head_dim, dtype, self.device)
 
     def _num_blocks(self) -> int:
         """num_kv_blocks if given; else the CPU budget or the GPU's free memory after profiling

@@ -30,7 +30,7 @@ def _decode_split_kernel(
     s_bt,
     s_mb, s_mh, s_ms,
     s_lb, s_lh,
-    sm_scale_log2, num_splits,
+    sm_scale_log2, v_scale, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     DIRECT: tl.constexpr,
@@ -70,7 +70,8 @@ def _decode_split_kernel(
         k = tl.load(
             k_cache_ptr + (block * s_kb + in_block * s_ks + kv_head * s_kh)[:, None] + offs_d[None, :],
             mask=kv_mask, other=0.0,
-        )
+        ).to(tl.float32).to(q.dtype)  # an FP8 cache widens exactly (its K scale is in sm_scale_log2); via
+        # float32 because the interpreter's FP8 -> bf16 cast is wrong (a no-op for a 16-bit cache)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -80,12 +81,12 @@ def _decode_split_kernel(
         v = tl.load(
             v_cache_ptr + (block * s_vb + in_block * s_vs + kv_head * s_vh)[:, None] + offs_d[None, :],
             mask=kv_mask, other=0.0,
-        )
+        ).to(tl.float32).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(has, l_i, 1.0)[:, None]
     if DIRECT:  # one split: this is the final output (mid_o_ptr is the output, s_ms unused)
         tl.store(
             mid_o_ptr + b64 * s_mb + heads[:, None] * s_mh + offs_d[None, :],
@@ -159,8 +160,13 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's single query token over its whole paged context.
+
+    k_scale, v_scale: what the cached values are multiplied by when read (an FP8 cache's per-tensor
+    scales; 1.0 for a cache in the model's dtype).
 
     num_splits: number of context slices per (sequence, KV head), fixed for a batch size (the
     launch shape never depends on sequence lengths); None picks decode_splits(batch, ...). With one
@@ -198,7 +204,7 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         *s_mo, *s_ml,
-        scale * LOG2E, num_splits,
+        scale * LOG2E * k_scale, v_scale, num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
         DIRECT=direct, num_warps=num_warps, num_stages=num_stages,

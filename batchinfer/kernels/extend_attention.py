@@ -45,6 +45,11 @@ def _attend_tile(
     else:
         k = tl.load(k_cache_ptr + k_off)
         v = tl.load(v_cache_ptr + v_off)
+    # an FP8 cache widens exactly (its K scale is in sm_scale_log2, its V scale applied at the end), via
+    # float32 because the interpreter's FP8 -> bf16 cast is wrong
+    if k.dtype != q.dtype:
+        k = k.to(tl.float32).to(q.dtype)
+        v = v.to(tl.float32).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
     if MASKED:
         visible = (tok[None, :] <= q_pos[:, None]) & (tok[None, :] < seq_len)
@@ -66,7 +71,7 @@ def _extend_kernel(
     s_qt, s_qh, s_ot, s_oh,
     s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
     s_bt, s_tiles,
-    sm_scale_log2,
+    sm_scale_log2, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -128,7 +133,7 @@ def _extend_kernel(
             HEAD_DIM, BLOCK_D, True, DOT_PREC,
         )
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + t_idx[:, None] * s_ot + heads[:, None] * s_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :],
@@ -179,8 +184,13 @@ def paged_extend_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     tiles: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
+
+    k_scale, v_scale: what the cached values are multiplied by when read (an FP8 cache's per-tensor
+    scales; 1.0 for a cache in the model's dtype).
 
     block_rows: query rows (tokens x heads of a GQA group) per program, >= 16 and a power of two;
     block_n: keys per inner iteration (multiple of 16).
@@ -212,7 +222,7 @@ def paged_extend_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), tiles.stride(0),
-        scale * LOG2E,
+        scale * LOG2E * k_scale, v_scale,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=pow2(head_dim, 16),
         DOT_PREC=dot_precision(q.dtype),

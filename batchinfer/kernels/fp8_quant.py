@@ -5,7 +5,7 @@ x / scale rounded to e4m3 (scale = amax / 448, at least 1e-12 so a row of zeros 
 read of the 16-bit row for each pass (the second mostly from L2) and one FP8 write, where the eager
 PyTorch math (reference.quantize_fp8_tokens) makes ~5 float32 passes. The math is the reference's:
 the divisions are rounded to nearest (div_rn) and the rounding to e4m3 is done by hand
-(_round_to_e4m3), so the FP8 values are bit-identical.
+(round_to_e4m3), so the FP8 values are bit-identical.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ MIN_SCALE = 1e-12
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32: normals
     keep 3 of the 23 mantissa bits (round on the bits), subnormals (|v| < 2^-6) are multiples of 2^-9
     (adding and taking away 1.5 x 2^14 rounds there). The cast to FP8 is then exact on the GPU and in
@@ -48,7 +48,7 @@ def _quant_fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, s_x, s_q, K, fp8_max, min_sc
     for start in range(0, K, BLOCK):
         mask = start + offs < K
         x = tl.load(x_ptr + row * s_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max))
+        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max))
         tl.store(q_ptr + row * s_q + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -21,33 +21,38 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write new K/V [T, Hkv, D] into the paged cache at slot_mapping (slot < 0: skip)."""
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write new K/V [T, Hkv, D] into the paged cache at slot_mapping (slot < 0: skip); an FP8
+    cache stores k / k_scale, v / v_scale."""
     if use_triton(k):
         from batchinfer.kernels.cache import reshape_and_cache as fn
     else:
         fn = reference.reshape_and_cache
-    fn(k, v, k_cache, v_cache, slot_mapping)
+    fn(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+) -> torch.Tensor:
     """One query token per sequence over its paged context: [B, Hq, D]."""
     if use_triton(q):
         from batchinfer.kernels.decode_attention import paged_decode_attention as fn
 
-        return fn(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=k_scale, v_scale=v_scale)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
 
 def paged_extend_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len: int, scale: float
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len: int, scale: float,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last query_len tokens over its paged context."""
     if use_triton(q):
         from batchinfer.kernels.extend_attention import paged_extend_attention as fn
 
-        return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
-    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+                  k_scale=k_scale, v_scale=v_scale)
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_MIN_SCALE = 1e-12  # a row of zeros gets this scale instead of 0 (its values quantise to 0 either way)
+
 
 def reshape_and_cache(
     k: torch.Tensor,  # [T, Hkv, D]
@@ -16,14 +19,32 @@ def reshape_and_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int [T]; slot < 0 means "do not write"
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's K and V into its cache slot (block_id * block_size + offset)."""
+    """Write each token's K and V into its cache slot (block_id * block_size + offset); into an FP8
+    cache as to_kv_cache(k, k_scale) (divided by the scale, saturated, rounded to nearest)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_kv_cache(k[keep], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = to_kv_cache(v[keep], v_cache.dtype, v_scale)
+
+
+def to_kv_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Values as a KV cache of `dtype` stores them: FP8 (float8_e4m3fn) holds x / scale saturated
+    at +-448; any other dtype holds x itself (scale unused)."""
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def from_kv_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached values read back in `dtype`: an FP8 cache's times its scale."""
+    if x.dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return x.to(dtype) * scale
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -42,10 +63,13 @@ def paged_attention(
     seq_lens: torch.Tensor,  # int [B]
     query_start_loc: torch.Tensor,  # int [B+1]
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query tokens (its LAST query_len positions) over its
     whole context in the paged cache. Covers decode (query_len 1) and prefill/extend alike.
     Computed in float32, returned in q's dtype; GQA: query head h reads KV head h // (Hq // Hkv).
+    An FP8 cache's values are read times k_scale / v_scale (from_kv_cache).
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -56,8 +80,8 @@ def paged_attention(
         query_len = q_hi - q_lo
         if query_len == 0 or seq_len == 0:
             continue
-        keys = _gather_context(k_cache, block_tables[b], seq_len).float()
-        values = _gather_context(v_cache, block_tables[b], seq_len).float()
+        keys = from_kv_cache(_gather_context(k_cache, block_tables[b], seq_len), torch.float32, k_scale)
+        values = from_kv_cache(_gather_context(v_cache, block_tables[b], seq_len), torch.float32, v_scale)
         keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
         values = values.repeat_interleave(group, dim=1)
         qs = q[q_lo:q_hi].float()  # [L, Hq, D]
@@ -77,10 +101,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention: paged_attention with one query token per sequence."""
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, k_scale, v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,9 +175,6 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     allowed = ((words >> (tokens % 32)) & 1).bool() & inside
     logits.masked_fill_(~allowed, float("-inf"))
 
-
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-FP8_MIN_SCALE = 1e-12  # a row of zeros gets this scale instead of 0 (its values quantise to 0 either way)
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

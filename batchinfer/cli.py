@@ -414,7 +414,7 @@ def plan(job: Path = JobArg, set_: Optional[list[str]] = SetOpt) -> None:
 
     max_tokens = spec.sampling.max_tokens
     answers = spec.sampling.n  # each answer is a sequence of its own (its prompt prefilled once, counted n times)
-    dtype_bytes = info.dtype.itemsize
+    dtype_bytes = 1 if spec.engine.kv_cache_dtype == "fp8_e4m3" else info.dtype.itemsize  # a KV cache element
     per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
     total_prompt = sum(prompt_lens)
     n = len(prompt_lens)

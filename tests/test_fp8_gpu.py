@@ -103,3 +103,74 @@ def test_engine_fp8_graphs_give_the_eager_tokens(model_factory):
             assert engine.model_info.quantization == "fp8"
             outs.append({r.request_id: r.output_token_ids for r in engine.generate(reqs)})
     assert outs[0] == outs[1] and all(len(v) == 16 for v in outs[0].values())
+
+
+# --- the FP8 KV cache on the GPU -----------------------------------------------------------------
+
+
+def _fp8_caches(num_blocks, block_size, heads, dim, scale, gen):
+    from batchinfer.kernels.reference import to_kv_cache
+
+    shape = (num_blocks, block_size, heads, dim)
+    k = torch.randn(shape, device="cuda", generator=gen)
+    v = torch.randn(shape, device="cuda", generator=gen)
+    return to_kv_cache(k, torch.float8_e4m3fn, scale), to_kv_cache(v, torch.float8_e4m3fn, scale)
+
+
+def test_fp8_cache_write_on_the_gpu():
+    from batchinfer.kernels import cache, reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = (torch.randn(300, 8, 128, device="cuda", generator=gen) * 3).bfloat16()
+    v = (torch.randn(300, 8, 128, device="cuda", generator=gen) * 3).bfloat16()
+    slots = torch.randperm(64 * 16, device="cuda")[:300]
+    slots[::7] = -1
+    caches = [torch.zeros(64, 16, 8, 128, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(4)]
+    cache.reshape_and_cache(k, v, caches[0], caches[1], slots, 0.5, 0.5)
+    reference.reshape_and_cache(k, v, caches[2], caches[3], slots, 0.5, 0.5)
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+def test_fp8_cache_attention_kernels_on_the_gpu(group):
+    from batchinfer.kernels import decode_attention, extend_attention, reference
+
+    gen = torch.Generator(device="cuda").manual_seed(group)
+    kv_heads, dim, block, scale = 2, 128, 16, 0.25
+    k_cache, v_cache = _fp8_caches(128, block, kv_heads, dim, scale, gen)
+    seq_lens, query_lens = [300, 77, 1, 40], [300, 20, 1, 1]
+    tables = torch.stack([torch.randperm(128, device="cuda", generator=gen)[:32] for _ in seq_lens]).int()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(query_lens), kv_heads * group, dim, device="cuda", generator=gen).bfloat16()
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    got = extend_attention.paged_extend_attention(q, k_cache, v_cache, tables, lens, qsl, 300, 0.088, k_scale=scale, v_scale=scale)
+    want = reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.088, scale, scale)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    qd = torch.randn(4, kv_heads * group, dim, device="cuda", generator=gen).bfloat16()
+    got = decode_attention.paged_decode_attention(qd, k_cache, v_cache, tables, lens, 0.088, k_scale=scale, v_scale=scale)
+    want = reference.paged_decode_attention(qd, k_cache, v_cache, tables, lens, 0.088, scale, scale)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_engine_fp8_kv_graphs_give_the_eager_tokens(model_factory, quantization):
+    """FP8 KV (with and without FP8 weights): CUDA graphs (decode and mixed) against eager steps,
+    with a shared prefix and chunked prefill; the cache is FP8."""
+    if quantization == "fp8" and not scaled_mm_supported(torch.device("cuda")):
+        pytest.skip("needs FP8 tensor cores")
+    from batchinfer.engine import Engine, EngineConfig, Request, SamplingParams
+
+    path = model_factory("llama", hidden_size=256, intermediate_size=512)
+    shared = list(range(3, 70))
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate([shared + [80], shared + [81, 82], list(range(5, 300)), [7, 8, 9]])]
+    outs = []
+    for graphs in (True, False):
+        cfg = EngineConfig(model=str(path), dtype="bfloat16", device="cuda", quantization=quantization,
+                           kv_cache_dtype="fp8_e4m3", cuda_graphs=graphs, num_kv_blocks=256, max_num_seqs=8,
+                           max_num_batched_tokens=128)
+        with Engine(cfg) as engine:
+            assert engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+            outs.append({r.request_id: r.output_token_ids for r in engine.generate(reqs)})
+    assert outs[0] == outs[1] and all(len(v) == 16 for v in outs[0].values())

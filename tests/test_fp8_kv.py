@@ -218,3 +218,35 @@ def test_job_spec_engine_kv_cache_dtype(tmp_path):
     job.write_text(job.read_text().replace("fp8_e4m3", "int8"))
     with pytest.raises(JobError, match="kv_cache_dtype"):
         load_job(job)
+
+
+def test_bench_throughput_fp8_kv_and_weights(tiny_model, tmp_path):
+    from batchinfer.bench.throughput import format_report, run_throughput
+
+    r = run_throughput(str(tiny_model), "nano256", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, scale=0.02,
+                       cache_dir=tmp_path)
+    assert r["errors"] == 0 and r["kv_cache_dtype"] == "fp8_e4m3"
+    assert r["floor"]["bytes"] == r["floors"]["fp8"]["bytes"]  # everything FP8: the run's floor is the FP8 one
+    assert r["floors"]["fp8"]["bytes"] < r["floors"]["bf16"]["bytes"]
+    assert "fp8_e4m3 KV cache" in format_report(r)
+
+
+def test_plan_counts_fp8_kv_bytes(tiny_model, tmp_path):
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from batchinfer.cli import app
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"doc_id": f"d{i}", "text": f"doc {i}"}) + "\n" for i in range(3)))
+    job = {"model": {"path": str(tiny_model), "dtype": "float32", "quantization": "fp8"},
+           "input": {"path": "docs.jsonl", "id_column": "doc_id"}, "output": {"path": "out"},
+           "prompt": {"template": "Doc: {{ text }}"}, "sampling": {"max_tokens": 3},
+           "engine": {"device": "cpu", "kv_cache_gib": 0.001, "kv_cache_dtype": "fp8_e4m3"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    r = CliRunner().invoke(app, ["plan", str(tmp_path / "job.yaml")])
+    assert r.exit_code == 0, r.output
+    assert "bytes per token (2 layers x 2 kv heads x 32 x 2 x 1 B)" in r.output
+    per_block = 16 * 2 * 2 * 2 * 32 * 1
+    assert f"the engine's KV cache on cpu: about {(1 << 30) // 1000 // per_block * 16} tokens" in r.output

@@ -59,6 +59,9 @@ def throughput(
     quantization: Optional[str] = typer.Option(
         None, "--quantization", help="none | fp8: the decoder projections in FP8 (reported against the 16-bit and the FP8 floor)."
     ),
+    kv_cache_dtype: Optional[str] = typer.Option(
+        None, "--kv-cache-dtype", help="auto | fp8_e4m3: the KV cache in FP8 (a byte an element; reported against both floors)."
+    ),
     profile_dir: Optional[Path] = typer.Option(None, "--profile-dir", help="Profile a few steps of the measured run into this folder."),
     speculative: Optional[str] = typer.Option(
         None, "--speculative", help="ngram | grammar | ngram+grammar | oracle (drafts = a recorded plain run's output)."
@@ -88,6 +91,7 @@ def throughput(
             grammar_threads=grammar_threads,
             torch_threads=torch_threads,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         ).items()
         if v is not None
     }

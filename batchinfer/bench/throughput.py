@@ -191,7 +191,8 @@ def run_throughput(
 
     layer_params, all_params = info.num_layer_params, info.num_params
     dtype_bytes = torch.finfo(info.dtype).bits // 8
-    kv_per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, dtype_bytes)
+    kv_bytes = 1 if cfg.kv_cache_dtype == "fp8_e4m3" else dtype_bytes  # per cached element
+    kv_per_token = kv_bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, kv_bytes)
     kv_capacity = engine.runner.num_blocks * cfg.block_size  # as sized by engine/kv_budget.py
     shape = dict(
         num_layers=info.num_layers,
@@ -201,20 +202,22 @@ def run_throughput(
         head_dim=info.head_dim,
         vocab_size=info.vocab_size,
         layer_params=layer_params,
-        dtype_bytes=dtype_bytes,
-        kv_capacity_tokens=kv_capacity,
         ceilings=ceilings,
     )
-    # Two floors: every weight in the model's dtype at the 16-bit matrix rate, and FP8 projections
-    # (1 byte a weight) at the measured FP8 rate (the 16-bit one where the device has none).
     fp8 = info.quantization == "fp8"
     fp8_weight_bytes = info.weight_bytes if fp8 else load_model_info(folder, "bfloat16", "cpu", "fp8").weight_bytes
     fp8_rate = ceilings.fp8_matmul_flops_per_s
-    floors = {
-        "bf16": workload_floor(prompt_lens, out_lens, weight_bytes=all_params * dtype_bytes, **shape),
-        "fp8": workload_floor(prompt_lens, out_lens, weight_bytes=fp8_weight_bytes, layer_flops_per_s=fp8_rate, **shape),
-    }
-    floor = floors["fp8" if fp8 else "bf16"]
+
+    def floor_of(weight_bytes: int, layer_rate: float | None, kv_elem_bytes: int):
+        # the cache's memory holds kv_bytes / kv_elem_bytes times the tokens in another KV dtype
+        return workload_floor(prompt_lens, out_lens, weight_bytes=weight_bytes, layer_flops_per_s=layer_rate,
+                              dtype_bytes=kv_elem_bytes, kv_capacity_tokens=kv_capacity * kv_bytes // kv_elem_bytes, **shape)
+
+    # The run's own floor, and two to compare with: all 16-bit (weights and KV in the model's dtype,
+    # the 16-bit matrix rate) and all FP8 (FP8 projections at the measured FP8 rate, the 16-bit one
+    # where the device has none; FP8 KV, a byte an element).
+    floor = floor_of(info.weight_bytes, fp8_rate if fp8 else None, kv_bytes)
+    floors = {"bf16": floor_of(all_params * dtype_bytes, None, dtype_bytes), "fp8": floor_of(fp8_weight_bytes, fp8_rate, 1)}
     breakdown = step_breakdown(
         steps,
         weight_bytes=info.weight_bytes,
@@ -238,6 +241,7 @@ def run_throughput(
         "device": ceilings.device,
         "dtype": str(info.dtype).replace("torch.", ""),
         "quantization": info.quantization,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
         "engine": {k: v for k, v in cfg.__dict__.items() if k != "model"},
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -363,6 +367,7 @@ def format_report(r: dict) -> str:
         f"workload {r['workload']} ({r['description']})",
         f"model {r['model']} on {r['device']} ({r['dtype']}"
         + (f", {r['quantization']} weights" if r.get("quantization", "none") != "none" else "")
+        + (f", {r['kv_cache_dtype']} KV cache" if r.get("kv_cache_dtype", "auto") != "auto" else "")
         + f"); {r['requests']} requests, {r['errors']} errors",
         f"elapsed {r['elapsed_s']:.2f} s: {r['requests_per_s']:.2f} req/s, "
         f"{r['output_tokens_per_s']:,.0f} output tok/s, {r['total_tokens_per_s']:,.0f} total tok/s",
@@ -371,10 +376,11 @@ def format_report(r: dict) -> str:
         f"concurrency {f['concurrency']}, min steps {f['min_steps']}) = {r['floor_output_tokens_per_s']:,.0f} output tok/s",
         f"achieved / floor: {100 * r['fraction_of_roofline']:.1f}% of the roofline",
     ]
-    if r.get("quantization", "none") != "none" and r.get("floors"):
+    if (r.get("quantization", "none") != "none" or r.get("kv_cache_dtype", "auto") != "auto") and r.get("floors"):
         c = r["ceilings"].get("fp8_matmul_TFLOPs")
-        for key, label in (("bf16", "16-bit floor (16-bit weights and matrix rate)"),
-                           ("fp8", f"FP8 floor (FP8 weight bytes, FP8 matrix rate {f'{c:,.1f} TFLOP/s' if c else 'n/a: 16-bit rate'})")):
+        for key, label in (("bf16", "16-bit floor (16-bit weights, KV and matrix rate)"),
+                           ("fp8", "FP8 floor (FP8 weights and KV bytes, FP8 matrix rate "
+                                   f"{f'{c:,.1f} TFLOP/s' if c else 'n/a: the 16-bit rate'})")):
             fl = r["floors"][key]
             lines.append(f"  vs {label}: {fl['floor_s']:.2f} s ({fl['bound']}-bound) = {fl['output_tokens_per_s']:,.0f} output tok/s; "
                          f"achieved {100 * fl['fraction']:.1f}%")

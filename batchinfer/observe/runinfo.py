@@ -105,6 +105,7 @@ def model_facts(config: dict[str, Any] | None, device: dict[str, Any]) -> dict[s
         "quantization": quant or "none",
         "params": info.num_params,
         "weight_bytes": info.weight_bytes,
+        "kv_cache_dtype": section(config, "engine").get("kv_cache_dtype") or "auto",
         "layer_params": info.num_layer_params,
         "num_layers": info.num_layers,
         "hidden_size": info.hidden_size,
@@ -168,7 +169,8 @@ def roofline_facts(
         prompt_lens, output_lens, num_layers=model["num_layers"], hidden_size=model["hidden_size"],
         num_heads=model["num_heads"], num_kv_heads=model["num_kv_heads"], head_dim=model["head_dim"],
         vocab_size=model["vocab_size"], layer_params=model["layer_params"],
-        weight_bytes=model.get("weight_bytes") or model["params"] * dtype_bytes, dtype_bytes=dtype_bytes,
+        weight_bytes=model.get("weight_bytes") or model["params"] * dtype_bytes,
+        dtype_bytes=1 if model.get("kv_cache_dtype") == "fp8_e4m3" else dtype_bytes,
         kv_capacity_tokens=kv_total_blocks * block_size * n, ceilings=scaled,
     )
     return {

@@ -70,8 +70,9 @@ def _decode_split_kernel(
         k = tl.load(
             k_cache_ptr + (block * s_kb + in_block * s_ks + kv_head * s_kh)[:, None] + offs_d[None, :],
             mask=kv_mask, other=0.0,
-        ).to(tl.float32).to(q.dtype)  # an FP8 cache widens exactly (its K scale is in sm_scale_log2); via
-        # float32 because the interpreter's FP8 -> bf16 cast is wrong (a no-op for a 16-bit cache)
+        )
+        if k.dtype != q.dtype:  # an FP8 cache widens exactly (its K scale is in sm_scale_log2, its V scale
+            k = k.to(tl.float32).to(q.dtype)  # applied at the end); via float32: the interpreter's FP8 -> bf16 cast is wrong
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -81,7 +82,9 @@ def _decode_split_kernel(
         v = tl.load(
             v_cache_ptr + (block * s_vb + in_block * s_vs + kv_head * s_vh)[:, None] + offs_d[None, :],
             mask=kv_mask, other=0.0,
-        ).to(tl.float32).to(q.dtype)
+        )
+        if v.dtype != q.dtype:
+            v = v.to(tl.float32).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 

@@ -261,10 +261,9 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
                 tensor = f.get_tensor(name)
                 if tensor.dtype == FP8_DTYPE:
                     if not isinstance(dest, Fp8Linear):
-                        raise ModelLoadError(
-                            f"{path.name}: tensor {name} is FP8 but config.json has no FP8 quantization_config "
-                            "(only the decoder layers' projections can be FP8)"
-                        )
+                        why = ("only the decoder layers' projections can be FP8" if model.config.quantization == "fp8"
+                               else "config.json has no FP8 quantization_config")
+                        raise ModelLoadError(f"{path.name}: tensor {name} is FP8 but {why}")
                     dest.load_fp8_rows(start, tensor)
                     needs_scale.add(name)
                 elif tensor.dtype.is_floating_point and tensor.element_size() == 1:

@@ -41,7 +41,9 @@ def grammar(
 
 @bench_app.command("throughput")
 def throughput(
-    workload: str = typer.Option("nano256", "--workload", help="nano256 | docs1000 | docs1000-json."),
+    workload: str = typer.Option(
+        "nano256", "--workload", help="nano256 | docs1000 | docs1000-json, or a job file (.yaml: its rows, prompts, sampling, schema)."
+    ),
     model: str = typer.Option("qwen3-0.6b", "--model", help="A shape (qwen3-0.6b, llama-3.1-8b: random weights) or a model folder."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the numbers as JSON here (default: bench-results/)."),
     scale: float = typer.Option(1.0, "--scale", help="Shrink request counts and lengths (smoke runs on CPU)."),
@@ -72,12 +74,16 @@ def throughput(
     """Run a named workload; print throughput next to the workload's roofline floor on this device."""
     import logging
 
+    from batchinfer.bench.job_workload import is_job_file
     from batchinfer.bench.throughput import format_report, run_throughput, write_report
     from batchinfer.bench.workloads import WORKLOADS
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if workload not in WORKLOADS:
-        typer.echo(f"error: unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}", err=True)
+    if workload not in WORKLOADS and not is_job_file(workload):
+        typer.echo(f"error: unknown workload {workload!r}; choose from {', '.join(WORKLOADS)} or give a job file (.yaml)", err=True)
+        raise typer.Exit(2)
+    if is_job_file(workload) and (data_parallel or 1) > 1:
+        typer.echo("error: a job-file --workload runs with one engine (no --data-parallel)", err=True)
         raise typer.Exit(2)
     overrides = {
         k: v
@@ -103,7 +109,7 @@ def throughput(
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    path = out or Path("bench-results") / f"throughput-{workload}-{Path(model).name}.json"
+    path = out or Path("bench-results") / f"throughput-{Path(workload).stem}-{Path(model).name}.json"
     write_report(result, path)
     typer.echo(format_report(result))
     typer.echo(f"numbers written to {path}")

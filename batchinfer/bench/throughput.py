@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from batchinfer.bench.job_workload import is_job_file, job_workload
 from batchinfer.bench.roofline import measure_ceilings, workload_floor
 from batchinfer.bench.shapes import SHAPES, write_shape
 from batchinfer.bench.workloads import make_workload
@@ -100,6 +101,19 @@ def _jit_compiled_since(before: dict | None) -> dict | None:
     return compiled_since(before)
 
 
+def load_workload(name: str, tokenizer, vocab_size: int, max_model_len: int, scale: float = 1.0, seed: int = 0,
+                  shard: tuple[int, int] | None = None):
+    """A named workload (bench/workloads.py) or a job file's requests (bench/job_workload.py; scale
+    and seed do not apply: the job's rows are the workload); `shard` (i, n) keeps requests i::n."""
+    if is_job_file(name):
+        wl = job_workload(name, tokenizer, max_model_len)
+    else:
+        wl = make_workload(name, vocab_size, seed=seed, scale=scale)
+    if shard is not None:
+        wl = replace(wl, requests=wl.requests[shard[0] :: shard[1]])
+    return wl
+
+
 def run_throughput(
     model: str,
     workload: str,
@@ -158,15 +172,16 @@ def run_throughput(
     engine = Engine(cfg, on_step=on_step, drafter=drafter)
     load_s = time.perf_counter() - t_load
     info = engine.model_info
-    wl = make_workload(workload, info.vocab_size, scale=scale)
-    if shard is not None:
-        wl = replace(wl, requests=wl.requests[shard[0] :: shard[1]])
+    wl = load_workload(workload, engine.tokenizer, info.vocab_size, engine.max_model_len, scale=scale, shard=shard)
 
     device = torch.device("cuda" if cuda else "cpu")
     ceilings = measure_ceilings(device)
 
-    warm = make_workload(workload, info.vocab_size, seed=1, scale=min(scale, 0.02))
-    list(engine.generate(warm.requests[:4]))
+    if is_job_file(workload):  # a few of its own requests, short (a job file has no second seed)
+        warm = [replace(r, request_id=f"warm-{r.request_id}", sampling=replace(r.sampling, max_tokens=8)) for r in wl.requests[:4]]
+    else:
+        warm = make_workload(workload, info.vocab_size, seed=1, scale=min(scale, 0.02)).requests[:4]
+    list(engine.generate(warm))
     steps.clear()
     profile_dir = profile_dir or (Path(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None)
     if profile_dir is not None:
@@ -279,9 +294,7 @@ def _record_oracle(cfg: EngineConfig, workload: str, scale: float, shard, spec_t
     from batchinfer.engine.engine import Engine
 
     with Engine(replace(cfg, speculative=None)) as plain:
-        wl = make_workload(workload, plain.model_info.vocab_size, scale=scale)
-        if shard is not None:
-            wl = replace(wl, requests=wl.requests[shard[0] :: shard[1]])
+        wl = load_workload(workload, plain.tokenizer, plain.model_info.vocab_size, plain.max_model_len, scale=scale, shard=shard)
         truth = {r.request_id: r.output_token_ids for r in plain.generate(wl.requests)}
         vocab = plain.model_info.vocab_size
     return oracle_drafter(truth, corrupt, vocab)
@@ -294,6 +307,16 @@ def spec_summary(steps) -> dict:
     tot["acceptance"] = tot["accepted"] / tot["verified"] if tot["verified"] else None
     tot["mean_accepted_per_seq_step"] = tot["accepted"] / tot["rows"] if tot["rows"] else None
     tot["tokens_per_seq_per_forward"] = tot["emitted"] / tot["decode_rows"] if tot["decode_rows"] else None
+    parts = ("drafted", "verified", "accepted")
+    forced = {k: sum(getattr(s, f"spec_forced_{k}", 0) for s in steps) for k in parts}
+    text = {k: sum(getattr(s, f"spec_text_{k}", 0) for s in steps) for k in parts}
+    other = {k: tot[k] - forced[k] - text[k] for k in parts}
+    tot["sources"] = {}
+    # forced: the grammar's forced tokens; text: the forced text's tokens after them; ngram: n-gram
+    # lookup or the bench's drafter (oracle) (engine/drafts.py)
+    for name, c in (("forced", forced), ("text", text), ("ngram", other)):
+        tot["sources"][name] = {**c, "acceptance": c["accepted"] / c["verified"] if c["verified"] else None,
+                                "accepted_per_decode_row": c["accepted"] / tot["decode_rows"] if tot["decode_rows"] else None}
     return tot
 
 
@@ -398,6 +421,14 @@ def format_report(r: dict) -> str:
             f"tokens per sequence per forward {fmt(sp['tokens_per_seq_per_forward'])}"
             + (f"; oracle corrupt {r['oracle_corrupt']}" if r.get("oracle_corrupt") is not None else "")
         )
+        for name, c in (sp.get("sources") or {}).items():
+            label = {"forced": "grammar-forced", "text": "grammar-text"}.get(name, name)
+            if name == "ngram" and r.get("oracle_corrupt") is not None:
+                label = "oracle"
+            lines.append(
+                f"  {label:>14} drafts: drafted {c['drafted']:,}, verified {c['verified']:,}, accepted {c['accepted']:,} "
+                f"(acceptance {fmt(c['acceptance'])}); accepted tokens per sequence per forward {fmt(c['accepted_per_decode_row'])}"
+            )
     if r.get("kernels_compiled_during_run"):
         lines.append("Triton kernels compiled during the measured run (each costs ~1 s): "
                      + ", ".join(f"{k} x{n}" for k, n in r["kernels_compiled_during_run"].items()))

@@ -153,7 +153,8 @@ class Engine:
         self._phases: dict[str, float] = {}  # host ms by phase of the current iteration
         self._phase_t = 0.0
         self.speculator = (
-            Speculator(config.speculative, self.runner.vocab_size, drafter) if config.speculative is not None else None
+            Speculator(config.speculative, self.runner.vocab_size, drafter, self.tokenizer)
+            if config.speculative is not None else None
         )
         self._spec_counts: SpecCounts | None = None  # the current step's, when speculating
 

@@ -1,13 +1,17 @@
 """Speculative decoding: draft tokens per decoding sequence, verify them all in one forward.
 
-Drafts come from two sources (SpeculativeConfig.method):
+Drafts come from the sources of engine/drafts.py (SpeculativeConfig.method):
   ngram: prompt lookup. The longest recent suffix (sizes `ngram_sizes`, longest first) of the
     sequence's own tokens that also occurs earlier in its prompt + output proposes the tokens that
-    followed that earlier occurrence (the most recent one). Documents copy spans of their input.
+    followed that earlier occurrence (the most recent one), tokens compared ignoring a leading
+    space. Documents copy spans of their input.
   grammar: the tokens the sequence's grammar forces from its state (GrammarMatcher.forced_tokens:
-    keys, quotes, braces of a JSON schema).
-  ngram+grammar: forced tokens first, then n-gram drafts after them.
+    keys, quotes, braces of a JSON schema), then the tokenizer's encoding of the rest of the text
+    it forces (GrammarMatcher.forced_text, where the library's forced tokens stop at an ambiguous
+    tokenisation).
+  ngram+grammar: grammar drafts first, then n-gram drafts from the state after them.
 A `drafter` callable given to the Engine replaces the n-gram source (the bench's oracle).
+The step stats count each source apart (StepStats spec_forced_* and spec_text_*; the rest n-gram).
 
 A decoding sequence with k drafts computes k+1 tokens in the step (an extend chunk over the paged KV
 cache), and logits are kept at all k+1 positions. Position j is sampled exactly as plain decoding
@@ -25,9 +29,10 @@ emitted tokens are accepted afterwards, as plain decoding does.
 
 Scheduling: drafts sit at the end of token_ids (Sequence.num_draft) while the scheduler plans the
 step, so they count against the token budget and get KV blocks; the scheduler trims drafts it cannot
-fit, a preempted sequence drops them. The draft length adapts per sequence (one more after a fully
-accepted step, accepted + 1 after a rejection), and no drafts are made when the step already has
-`max_step_tokens` tokens without them (it is compute-bound: verifying would cost, not save).
+fit, a preempted sequence drops them. The n-gram draft length adapts per sequence to its measured
+acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are rarely right, probed
+again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
+without them (it is compute-bound: verifying would cost, not save).
 Speculation runs the serial loop (EngineConfig.overlap is ignored) and fills the masks of drafted
 positions on the loop's thread. There are no fixed-width verify graphs: on a GPU a step with drafts
 replays a mixed-step CUDA graph where one fits (engine/cuda_graphs.py MixedGraphs), else runs eagerly.
@@ -44,6 +49,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
 from batchinfer.engine.finish import append_token, make_result
 from batchinfer.engine.request import Result
 from batchinfer.engine.sequence import Sequence, SequenceStatus
@@ -60,7 +66,10 @@ class SpeculativeConfig:
     """engine.speculative: method ngram | grammar | ngram+grammar; num_tokens: most drafts per
     sequence and step; ngram_sizes: suffix lengths tried, longest first; max_step_tokens: no drafts
     in a step that already computes this many tokens without them; adaptive: adapt each sequence's
-    n-gram draft length to its acceptance (off: always num_tokens)."""
+    n-gram draft length to its acceptance (off: always as many as fit); accept_threshold: with
+    adaptive, draft the j-th n-gram token while the estimated chance that it is accepted is at
+    least this; probe_interval: steps between one-token probes of a sequence whose n-gram drafts
+    are off (engine/drafts.py DraftLength)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 
@@ -69,6 +78,8 @@ class SpeculativeConfig:
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
     max_step_tokens: int = 2048
     adaptive: bool = True
+    accept_threshold: float = 0.1
+    probe_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -81,6 +92,10 @@ class SpeculativeConfig:
         object.__setattr__(self, "ngram_sizes", tuple(sorted(set(sizes), reverse=True)))
         if self.max_step_tokens < 1:
             raise ValueError(f"speculative.max_step_tokens must be at least 1, got {self.max_step_tokens}")
+        if not 0.0 < self.accept_threshold <= 1.0:
+            raise ValueError(f"speculative.accept_threshold must be in (0, 1], got {self.accept_threshold}")
+        if self.probe_interval < 1:
+            raise ValueError(f"speculative.probe_interval must be at least 1, got {self.probe_interval}")
 
     @property
     def uses_ngram(self) -> bool:
@@ -91,47 +106,28 @@ class SpeculativeConfig:
         return "grammar" in self.method
 
 
-# --- n-gram (prompt lookup) drafts ---------------------------------------------------------------
-
-
-def ngram_draft(tokens: np.ndarray, sizes: Seq[int], k: int) -> np.ndarray:
-    """Up to k tokens following the most recent earlier occurrence of the longest suffix of
-    `tokens` (sizes tried in order) that occurs earlier; empty when none does."""
-    length = tokens.shape[0]
-    if k <= 0:
-        return tokens[:0]
-    for n in sizes:
-        if length <= n:
-            continue
-        suffix = tokens[length - n :]
-        # windows starting at 0 .. length-1-n: each has at least one token after it
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k]
-    return tokens[:0]
-
-
 @dataclass
 class SpecState:
-    """Per-sequence drafter state: its tokens as a growing numpy buffer, its current draft length."""
+    """Per-sequence drafter state: its tokens and their match keys as growing numpy buffers, its
+    n-gram draft length."""
 
     buf: np.ndarray
+    keys: np.ndarray
     size: int = 0
-    k: int = 1
+    length: DraftLength = field(default_factory=DraftLength)
 
-    def tokens(self, token_ids: list[int]) -> np.ndarray:
-        """The sequence's tokens (no drafts) as numpy, appending only what is new since last time."""
+    def tokens(self, token_ids: list[int], key_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sequence's tokens (no drafts) and their keys, appending only what is new since last time."""
         n = len(token_ids)
         if n > self.buf.shape[0]:
-            grown = np.empty(max(n, 2 * self.buf.shape[0]), dtype=np.int64)
-            grown[: self.size] = self.buf[: self.size]
-            self.buf = grown
+            cap = max(n, 2 * self.buf.shape[0])
+            self.buf = np.concatenate([self.buf[: self.size], np.empty(cap - self.size, dtype=np.int64)])
+            self.keys = np.concatenate([self.keys[: self.size], np.empty(cap - self.size, dtype=np.int64)])
         if n > self.size:
             self.buf[self.size : n] = token_ids[self.size : n]
+            self.keys[self.size : n] = key_of[self.buf[self.size : n]]
         self.size = n
-        return self.buf[:n]
+        return self.buf[:n], self.keys[:n]
 
 
 @dataclass
@@ -144,12 +140,22 @@ class SpecCounts:
     rows: int = 0  # decoding sequences that verified at least one draft
     decode_rows: int = 0  # decoding sequences of the step (emitted = decode_rows + accepted, about)
     emitted: int = 0  # tokens appended to decoding sequences this step
+    # of those drafts, the grammar-forced tokens and the forced text's tokens (in that order at the
+    # start of a draft; the rest are n-gram or drafter tokens)
+    forced_drafted: int = 0
+    forced_verified: int = 0
+    forced_accepted: int = 0
+    text_drafted: int = 0
+    text_verified: int = 0
+    text_accepted: int = 0
 
 
 def spec_fields(c: SpecCounts) -> dict[str, int]:
     """StepStats keyword arguments of a step's counts."""
     return dict(spec_drafted=c.drafted, spec_verified=c.verified, spec_accepted=c.accepted, spec_rows=c.rows,
-                spec_decode_rows=c.decode_rows, spec_emitted=c.emitted)
+                spec_decode_rows=c.decode_rows, spec_emitted=c.emitted, spec_forced_drafted=c.forced_drafted,
+                spec_forced_verified=c.forced_verified, spec_forced_accepted=c.forced_accepted,
+                spec_text_drafted=c.text_drafted, spec_text_verified=c.text_verified, spec_text_accepted=c.text_accepted)
 
 
 def _allowed(mask_row: torch.Tensor, token: int) -> bool:
@@ -163,16 +169,24 @@ class _Plan:
     seq: Sequence
     masks: torch.Tensor | None = None
     proposed: int = 0
+    forced: int = 0  # the draft's first `forced` tokens are grammar-forced,
+    text: int = 0  # the `text` after them the forced text's; the rest n-gram (or the drafter's)
 
 
 class Speculator:
     """Runs whole engine steps with speculative decoding (called by Engine._step when configured)."""
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int, drafter: Drafter | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, drafter: Drafter | None = None,
+                 tokenizer: Any = None) -> None:
+        """tokenizer: the model's (match keys of the n-gram source, the forced text's tokens; None:
+        token-exact n-gram matching and no forced-text drafts)."""
         self.config = config
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
         self.drafter = drafter
+        self.key_of = match_keys(tokenizer, vocab_size) if tokenizer is not None and config.uses_ngram else (
+            np.arange(vocab_size, dtype=np.int64))
+        self.forced_text = ForcedText(tokenizer) if tokenizer is not None and config.uses_grammar else None
 
     # --- drafting ---------------------------------------------------------------------------
 
@@ -200,24 +214,34 @@ class Speculator:
             if room <= 0:
                 continue
             if seq.spec is None:
-                seq.spec = SpecState(np.empty(max(64, 2 * seq.num_tokens), dtype=np.int64), k=cfg.num_tokens)
+                cap = max(64, 2 * seq.num_tokens)
+                seq.spec = SpecState(np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64))
             draft: list[int] = []
             m = seq.matcher
+            text = 0
             if m is not None and cfg.uses_grammar:
-                draft = list(m.forced_tokens()[:room])
-            ngram_room = min(room - len(draft), seq.spec.k if cfg.adaptive else room)
+                draft = [t for t in m.forced_tokens()[:room] if 0 <= t < self.vocab_size]
+                if self.forced_text is not None:
+                    more = [t for t in self.forced_text.extend(m, draft, room - len(draft)) if 0 <= t < self.vocab_size]
+                    text = len(more)
+                    draft += more
+            forced = len(draft) - text
+            ngram_room = room - len(draft)
+            if cfg.adaptive and ngram_room > 0:
+                ngram_room = seq.spec.length.length(ngram_room, cfg.accept_threshold, cfg.probe_interval)
             if ngram_room > 0 and (cfg.uses_ngram or self.drafter is not None):
                 if self.drafter is not None:
-                    more = list(self.drafter(seq, len(draft) + ngram_room))[len(draft):]  # after the forced ones
+                    more = list(self.drafter(seq, len(draft) + ngram_room))[len(draft):]  # after the grammar's
                 else:
-                    tokens = seq.spec.tokens(seq.token_ids)
+                    tokens, keys = seq.spec.tokens(seq.token_ids, self.key_of)
                     if draft:
-                        tokens = np.concatenate([tokens, np.asarray(draft, dtype=np.int64)])
-                    more = ngram_draft(tokens, cfg.ngram_sizes, ngram_room).tolist()
+                        extra = np.asarray(draft, dtype=np.int64)
+                        tokens, keys = np.concatenate([tokens, extra]), np.concatenate([keys, self.key_of[extra]])
+                    more = ngram_draft(tokens, cfg.ngram_sizes, ngram_room, keys).tolist()
                 draft += [t for t in more[:ngram_room] if 0 <= t < self.vocab_size][: ngram_room]
             if not draft:
                 continue
-            plan = _Plan(seq, proposed=len(draft))
+            plan = _Plan(seq, proposed=len(draft), forced=forced, text=text)
             if m is not None:
                 draft, plan.masks = self._grammar_cut(m, draft)
             plans[id(seq)] = plan
@@ -255,6 +279,8 @@ class Speculator:
         counts = SpecCounts()
         plans = self.propose(engine)
         counts.drafted = sum(p.proposed for p in plans.values())
+        counts.forced_drafted = sum(p.forced for p in plans.values())
+        counts.text_drafted = sum(p.text for p in plans.values())
         engine._phase("draft")
         step = engine.scheduler.schedule()
         for seq in engine.scheduler.running:  # drafts of sequences the step does not run
@@ -320,8 +346,15 @@ class Speculator:
                 counts.rows += 1
                 counts.verified += seq.num_draft
                 counts.accepted += a
-                if self.config.adaptive and seq.spec is not None:
-                    seq.spec.k = min(self.config.num_tokens, seq.spec.k + 1) if a == seq.num_draft else max(1, a + 1)
+                plan = plans.get(id(seq))
+                forced = min(plan.forced, seq.num_draft) if plan is not None else 0
+                text = min(plan.text, seq.num_draft - forced) if plan is not None else 0
+                counts.forced_verified += forced
+                counts.forced_accepted += min(a, forced)
+                counts.text_verified += text
+                counts.text_accepted += max(0, min(a - forced, text))
+                if seq.spec is not None and a >= forced + text:  # the n-gram part was reached: measure it
+                    seq.spec.length.update(seq.num_draft - forced - text, a - forced - text)
             row += width
         base_rows = np.cumsum([0] + widths[:-1]).tolist()
         num_emitted = {}

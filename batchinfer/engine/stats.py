@@ -29,10 +29,18 @@ class StepStats:
     phases_ms: dict[str, float] = field(default_factory=dict)
     # speculative decoding (engine/speculative.py; all 0 when off): draft tokens proposed, computed by
     # the step (after grammar cuts and the budget), and confirmed by the target; decoding sequences
-    # that verified drafts, all decoding sequences of the step, and the tokens they emitted
+    # that verified drafts, all decoding sequences of the step, and the tokens they emitted; of the
+    # drafts, the grammar-forced tokens and the forced text's tokens proposed, verified and accepted
+    # (the rest: n-gram / drafter; engine/drafts.py)
     spec_drafted: int = 0
     spec_verified: int = 0
     spec_accepted: int = 0
     spec_rows: int = 0
     spec_decode_rows: int = 0
     spec_emitted: int = 0
+    spec_forced_drafted: int = 0
+    spec_forced_verified: int = 0
+    spec_forced_accepted: int = 0
+    spec_text_drafted: int = 0
+    spec_text_verified: int = 0
+    spec_text_accepted: int = 0

@@ -87,6 +87,11 @@ class GrammarMatcher(Protocol):
         tokenised by the library; may differ from the tokenizer's own encoding), [] if none or the
         backend cannot tell. The state is unchanged. Speculative decoding drafts them."""
 
+    def forced_text(self) -> str:
+        """The text the grammar forces from here ("" if none or the backend cannot tell). It may go
+        on past forced_tokens where several tokenisations of it are allowed. The state is unchanged.
+        Speculative decoding drafts its tokenizer encoding (engine/drafts.py)."""
+
 
 class CompiledGrammar(Protocol):
     """A constraint compiled for one vocabulary; hands out matchers at its start."""

@@ -82,6 +82,12 @@ class LLGuidanceMatcher:
             return []
         return [int(t) for t in self._m.compute_ff_tokens()]
 
+    def forced_text(self) -> str:
+        if self._ended or self._m.is_error() or self._m.is_stopped():
+            return ""
+        # a forced run may end inside a multi-byte character: keep the whole characters
+        return bytes(self._m.compute_ff_bytes()).decode("utf-8", errors="ignore")
+
     @property
     def raw(self) -> Any:
         return self._m

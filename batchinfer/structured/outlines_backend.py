@@ -125,6 +125,9 @@ class OutlinesMatcher:
     def forced_tokens(self) -> list[int]:
         return []  # the token-level automaton has no forced-string query
 
+    def forced_text(self) -> str:
+        return ""
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._ended:
             self._ended = False

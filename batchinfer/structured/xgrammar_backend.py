@@ -70,6 +70,10 @@ class XGrammarMatcher:
         find = getattr(self._m, "find_jump_forward_tokens", None)  # xgrammar versions without it: none
         return [int(t) for t in find()] if find is not None else []
 
+    def forced_text(self) -> str:
+        find = getattr(self._m, "find_jump_forward_string", None)
+        return str(find()) if find is not None and not self._m.is_terminated() else ""
+
     @property
     def raw(self) -> Any:
         return self._m

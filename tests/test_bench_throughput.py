@@ -91,3 +91,6 @@ def test_oracle_speculation_reports_acceptance(tiny_model, tmp_path):
     assert r["errors"] == 0 and sp["verified"] > 0 and sp["accepted"] == sp["verified"]
     assert sp["tokens_per_seq_per_forward"] > 1.5
     assert "tokens per sequence per forward" in format_report(r)
+    # no grammar: every draft is the drafter's (reported as the oracle source)
+    assert sp["sources"]["ngram"]["accepted"] == sp["accepted"] and sp["sources"]["forced"]["verified"] == 0
+    assert "oracle drafts" in format_report(r)

@@ -177,3 +177,33 @@ def test_no_drafts_in_a_compute_bound_step(tiny_model, truth):
     assert busy, "no step was compute-bound"
     assert all(s.spec_verified == 0 for s in busy)
     assert sum(s.spec_accepted for s in steps) > 0  # the other steps drafted (right drafts)
+
+
+def test_run_records_and_report_count_each_source():
+    import polars as pl
+
+    from batchinfer.engine.stats import StepStats
+    from batchinfer.observe.records import STEP_SCHEMA, step_record
+    from batchinfer.observe.report import _speculative
+
+    def stats(i, **spec):
+        return StepStats(step=i, time=float(i), num_running=2, num_waiting=0, num_prefill_tokens=0, num_decode_tokens=6,
+                         kv_blocks_used=1, kv_blocks_free=9, num_preemptions=0, schedule_ms=0.1, step_ms=1.0, **spec)
+
+    steps = [stats(1, spec_drafted=6, spec_verified=5, spec_accepted=4, spec_rows=2, spec_decode_rows=2, spec_emitted=6,
+                   spec_forced_drafted=2, spec_forced_verified=2, spec_forced_accepted=2, spec_text_drafted=1,
+                   spec_text_verified=1, spec_text_accepted=0),
+             stats(2, spec_drafted=3, spec_verified=3, spec_accepted=3, spec_rows=1, spec_decode_rows=2, spec_emitted=5,
+                   spec_text_drafted=1, spec_text_verified=1, spec_text_accepted=1)]
+    frame = pl.from_arrow(pa_table([step_record("run", s, 0.0) for s in steps], STEP_SCHEMA))
+    sp = _speculative(frame)
+    assert sp["accepted"] == 7 and sp["tokens_per_seq_per_forward"] == 11 / 4
+    assert sp["accepted_by_source"] == {"grammar_forced": 2, "grammar_text": 1, "ngram": 4}
+    # records written before the source columns existed: totals without the split
+    assert "accepted_by_source" not in _speculative(frame.drop([c for c in frame.columns if "_forced_" in c or "_text_" in c]))
+
+
+def pa_table(records, schema):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(records, schema=schema)

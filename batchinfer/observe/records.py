@@ -60,8 +60,18 @@ STEP_SCHEMA = pa.schema(
         ("spec_rows", pa.int32()),
         ("spec_decode_rows", pa.int32()),
         ("spec_emitted", pa.int32()),
+        # of the drafts: grammar-forced tokens and the forced text's tokens (the rest n-gram)
+        ("spec_forced_drafted", pa.int32()),
+        ("spec_forced_verified", pa.int32()),
+        ("spec_forced_accepted", pa.int32()),
+        ("spec_text_drafted", pa.int32()),
+        ("spec_text_verified", pa.int32()),
+        ("spec_text_accepted", pa.int32()),
     ]
 )
+
+SPEC_FIELDS = ("drafted", "verified", "accepted", "rows", "decode_rows", "emitted", "forced_drafted", "forced_verified",
+               "forced_accepted", "text_drafted", "text_verified", "text_accepted")
 
 ROW_SCHEMA = pa.schema(
     [
@@ -129,7 +139,7 @@ def step_record(run_id: str, stats: StepStats, t0: float) -> dict[str, Any]:
         "num_finished": stats.num_finished,
         "schedule_ms": stats.schedule_ms,
         "step_ms": stats.step_ms,
-        **{f"spec_{k}": getattr(stats, f"spec_{k}") for k in ("drafted", "verified", "accepted", "rows", "decode_rows", "emitted")},
+        **{f"spec_{k}": getattr(stats, f"spec_{k}") for k in SPEC_FIELDS},
     }
 
 

@@ -149,6 +149,12 @@ def _speculative(steps: pl.DataFrame) -> dict[str, Any] | None:
     tot["acceptance"] = tot["accepted"] / tot["verified"] if tot["verified"] else None
     tot["mean_accepted_per_seq_step"] = tot["accepted"] / tot["rows"] if tot["rows"] else None
     tot["tokens_per_seq_per_forward"] = tot["emitted"] / tot["decode_rows"] if tot["decode_rows"] else None
+    sources = ("forced", "text")
+    if all(f"spec_{s}_{k}" in steps.columns for s in sources for k in ("verified", "accepted")):
+        # accepted draft tokens by source: grammar-forced tokens, the forced text's tokens, n-gram
+        by = {s: int(steps.get_column(f"spec_{s}_accepted").fill_null(0).sum()) for s in sources}
+        tot["accepted_by_source"] = {"grammar_forced": by["forced"], "grammar_text": by["text"],
+                                     "ngram": tot["accepted"] - by["forced"] - by["text"]}
     return tot
 
 
@@ -361,6 +367,8 @@ def summary_text(report: dict[str, Any]) -> str:
             f"speculative decoding: drafted {sp['drafted']:,}, verified {sp['verified']:,}, accepted {sp['accepted']:,} "
             f"({L.pct(sp['acceptance'])}); mean accepted per sequence-step {L.num(sp['mean_accepted_per_seq_step'])}; "
             f"tokens per sequence per forward {L.num(sp['tokens_per_seq_per_forward'])}"
+            + ("; accepted by source: " + ", ".join(f"{k.replace('_', '-')} {v:,}" for k, v in sp["accepted_by_source"].items())
+               if sp.get("accepted_by_source") else "")
         )
     for kind, e in report["errors_by_kind"].items():
         lines.append(f"error {kind}: {e['count']:,} (e.g. row {e['example_id']})")

@@ -331,6 +331,7 @@ class Speculator:
         now = time.perf_counter()
         # accepted drafts and the emitted tokens of each sampling sequence
         emitted: list[list[int]] = []
+        decoding: list[int] = []  # indices (into sampling) of the decoding sequences
         row = 0
         for seq, width in zip(sampling, widths):
             out = tokens[row : row + width]
@@ -341,7 +342,7 @@ class Speculator:
             emitted.append(out[: a + 1])
             if seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_computed_tokens + 1 + seq.num_draft == seq.num_tokens:
                 counts.decode_rows += 1
-                counts.emitted += a + 1
+                decoding.append(len(emitted) - 1)
             if seq.num_draft:
                 counts.rows += 1
                 counts.verified += seq.num_draft
@@ -378,6 +379,9 @@ class Speculator:
                     still.append(i)
             alive = still
             col += 1
+        # tokens appended (a sequence that ends mid-draft, e.g. at an EOS the grammar forced, takes
+        # no token after its last)
+        counts.emitted += sum(num_emitted[i] for i in decoding)
         # KV is valid for the last input token and the accepted drafts: that is what was computed
         k_of = {id(s): i for i, s in enumerate(sampling)}
         for idx, seq in enumerate(step.seqs):

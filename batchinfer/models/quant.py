@@ -10,6 +10,8 @@ Two matrix-product backends compute exactly that, by name (FP8_MATMULS):
   scaled_mm: torch._scaled_mm on CUDA GPUs of compute capability >= 8.9 (Ada, Hopper) with
       row-wise scales (scale_a [T, 1], scale_b [1, N], float32; bfloat16 output; K and N
       multiples of 16: torch's requirement); FP8 tensor cores, float32 accumulation.
+  scaled_mm_fast: the same with use_fast_accum (Hopper's FP8 accumulator promoted to float32 less
+      often): faster, less exact; chosen by name only, never by default.
   dequant: the FP8 values widened to the model's dtype and multiplied by an ordinary matmul, the
       scales applied to the result; everywhere else (CPU, older GPUs, other output dtypes). The
       activations are quantised the same way first, so both compute the same math up to the
@@ -60,13 +62,18 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 Fp8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
 
 
-def _scaled_mm(x, w_fp8, w_scale, bias, w_float=None):
-    xq, x_scale = quantize_tokens(x)
-    # _scaled_mm wants mat2 column-major: w_fp8 is row-major [N, K], so its transpose [K, N] is
-    y = torch._scaled_mm(
-        xq, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), bias=bias, out_dtype=x.dtype, use_fast_accum=True
-    )
-    return y[0] if isinstance(y, tuple) else y  # torch < 2.5 returned (out, amax)
+def _scaled_mm_with(fast_accum: bool) -> Fp8Matmul:
+    def run(x, w_fp8, w_scale, bias, w_float=None):
+        xq, x_scale = quantize_tokens(x)
+        # _scaled_mm wants mat2 column-major: w_fp8 is row-major [N, K], so its transpose [K, N] is.
+        # The bias is added after, in x's dtype, as the dequant backend adds it.
+        y = torch._scaled_mm(
+            xq, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=x.dtype, use_fast_accum=fast_accum
+        )
+        y = y[0] if isinstance(y, tuple) else y  # torch < 2.5 returned (out, amax)
+        return y + bias if bias is not None else y
+
+    return run
 
 
 def _dequant(x, w_fp8, w_scale, bias, w_float=None):
@@ -77,7 +84,11 @@ def _dequant(x, w_fp8, w_scale, bias, w_float=None):
     return y + bias if bias is not None else y
 
 
-FP8_MATMULS: dict[str, Fp8Matmul] = {"scaled_mm": _scaled_mm, "dequant": _dequant}
+FP8_MATMULS: dict[str, Fp8Matmul] = {
+    "scaled_mm": _scaled_mm_with(fast_accum=False),  # float32 accumulation throughout
+    "scaled_mm_fast": _scaled_mm_with(fast_accum=True),  # Hopper's fast accumulation (fewer promotions to float32)
+    "dequant": _dequant,
+}
 
 
 def scaled_mm_supported(device: torch.device) -> bool:

@@ -61,6 +61,23 @@ def tiny_model(model_factory) -> Path:
     return model_factory("qwen3")
 
 
+@pytest.fixture(scope="module")
+def engines():
+    """An engine factory for run_job that keeps one engine per engine config, shared by the runs of one
+    test module (loading is the slow part)."""
+    from batchinfer.job import make_engine
+
+    cache: dict = {}
+
+    def factory(spec, on_step=None):
+        key = spec.engine_config()
+        if key not in cache:
+            cache[key] = make_engine(spec)
+        return cache[key]
+
+    return factory
+
+
 REAL_MODEL = "smollm2-135m-instruct"
 REAL_MODEL_DIR_ENV = "BATCHINFER_TEST_MODEL_DIR"
 

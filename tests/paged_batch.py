@@ -80,3 +80,34 @@ class PagedSequences:
             decode_only=all(n == 1 for n in query_lens),
         )
         return torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), meta
+
+
+def compare_backends_over_steps(first, second, caches_first, caches_second, num_heads: int, num_kv_heads: int,
+                                head_dim: int, block_size: int) -> AttentionMetadata:
+    """Two attention backends, each on its own (k_cache, v_cache), through one script of steps: a
+    prefill of two sequences, a chunked prefill, a third sequence sharing the first's 3 full blocks
+    next to decodes, then decode steps. Their outputs must agree at every step (rtol 1e-4, atol 1e-5);
+    returns the last step's metadata (a decode-only step)."""
+    (kc_a, vc_a), (kc_b, vc_b) = caches_first, caches_second
+    seqs = PagedSequences(kc_a.shape[0], block_size, seed=3)
+    a, b = seqs.add(), seqs.add()
+    gen = torch.Generator().manual_seed(0)
+    steps = [[(a, [1] * 13), (b, [1] * 6)], [(a, [1] * 3), (b, [1] * 9)]]  # prefill, then chunks
+    for step in range(5):
+        if step < len(steps):
+            chunks = steps[step]
+        elif step == len(steps):
+            c = seqs.share_prefix(a, 12)  # a's first 3 blocks, shared
+            chunks = [(a, [1]), (b, [1]), (c, [1] * 5)]
+        else:
+            chunks = [(s, [1]) for s in (a, b, c)]
+        _, _, meta = seqs.step(chunks)
+        tokens = meta.slot_mapping.shape[0]
+        q = torch.randn(tokens, num_heads, head_dim, generator=gen)
+        k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen)
+        got = first.forward(q, k, v, kc_a, vc_a, meta, 0.25)
+        want = second.forward(q, k, v, kc_b, vc_b, meta, 0.25)
+        assert torch.isfinite(got).all(), f"step {step}"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"step {step}")
+    return meta

@@ -22,7 +22,7 @@ if not ensure_interpreter():
 from batchinfer.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from batchinfer.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from batchinfer.kernels import cache, decode_attention, extend_attention, reference  # noqa: E402
-from paged_batch import PagedSequences, make_caches  # noqa: E402
+from paged_batch import PagedSequences, compare_backends_over_steps, make_caches  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 LOGITS_REL = 0.10
@@ -113,27 +113,7 @@ def test_triton_backend_matches_torch_backend_fp8_over_steps():
     tri = TritonAttentionBackend(decode_splits=4, decode_block_n=16, extend_block_rows=16, extend_block_n=16, kv_scale=scale)
     ref = TorchAttentionBackend(kv_scale=scale)
     (kc_t, vc_t), (kc_r, vc_r) = make_caches(2, 40, block_size, num_kv_heads, head_dim, dtype=FP8)
-    seqs = PagedSequences(40, block_size, seed=3)
-    a, b = seqs.add(), seqs.add()
-    gen = torch.Generator().manual_seed(0)
-    steps = [[(a, [1] * 13), (b, [1] * 6)], [(a, [1] * 3), (b, [1] * 9)]]  # prefill, then chunks
-    for step in range(5):
-        if step < len(steps):
-            chunks = steps[step]
-        elif step == len(steps):
-            c = seqs.share_prefix(a, 12)  # a's first 3 blocks, shared
-            chunks = [(a, [1]), (b, [1]), (c, [1] * 5)]
-        else:
-            chunks = [(s, [1]) for s in (a, b, c)]
-        _, _, meta = seqs.step(chunks)
-        tokens = meta.slot_mapping.shape[0]
-        q = torch.randn(tokens, num_heads, head_dim, generator=gen)
-        k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen)
-        v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen)
-        got = tri.forward(q, k, v, kc_t, vc_t, meta, 0.25)
-        want = ref.forward(q, k, v, kc_r, vc_r, meta, 0.25)
-        assert torch.isfinite(got).all(), f"step {step}"
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"step {step}")
+    meta = compare_backends_over_steps(tri, ref, (kc_t, vc_t), (kc_r, vc_r), num_heads, num_kv_heads, head_dim, block_size)
     assert meta.decode_only
     written = torch.isfinite(kc_r.float())
     assert torch.equal(_bytes(kc_t)[written], _bytes(kc_r)[written]) and torch.equal(_bytes(vc_t)[written], _bytes(vc_r)[written])

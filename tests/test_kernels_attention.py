@@ -190,28 +190,8 @@ def test_triton_backend_matches_torch_backend_over_steps():
     triton_backend = TritonAttentionBackend(decode_splits=4, decode_block_n=16, extend_block_rows=16, extend_block_n=16)
     ref_backend = torch_backend.TorchAttentionBackend()
     (kc_t, vc_t), (kc_r, vc_r) = paged_batch.make_caches(2, 40, block_size, num_kv_heads, head_dim)
-    seqs = paged_batch.PagedSequences(40, block_size, seed=3)
-    a, b = seqs.add(), seqs.add()
-    gen = torch.Generator().manual_seed(0)
-    steps = [[(a, [1] * 13), (b, [1] * 6)], [(a, [1] * 3), (b, [1] * 9)]]
-    for step_index in range(5):
-        if step_index < len(steps):
-            chunks = steps[step_index]
-        else:
-            if step_index == len(steps):
-                c = seqs.share_prefix(a, 12)  # reuses a's first 3 blocks
-                chunks = [(a, [1]), (b, [1]), (c, [1] * 5)]
-            else:
-                chunks = [(s, [1]) for s in (a, b, c)]
-        _, _, meta = seqs.step(chunks)
-        tokens = meta.slot_mapping.shape[0]
-        q = torch.randn(tokens, num_heads, head_dim, generator=gen)
-        k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen)
-        v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen)
-        got = triton_backend.forward(q, k, v, kc_t, vc_t, meta, 0.25)
-        want = ref_backend.forward(q, k, v, kc_r, vc_r, meta, 0.25)
-        assert torch.isfinite(got).all(), f"step {step_index}"
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"step {step_index}")
+    meta = paged_batch.compare_backends_over_steps(triton_backend, ref_backend, (kc_t, vc_t), (kc_r, vc_r), num_heads,
+                                                  num_kv_heads, head_dim, block_size)
     assert meta.decode_only  # the last step went through the decode kernel
     torch.testing.assert_close(torch.nan_to_num(kc_t, 9.0), torch.nan_to_num(kc_r, 9.0))
 

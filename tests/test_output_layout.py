@@ -13,25 +13,11 @@ import pytest
 
 import batchinfer
 from batchinfer.io import layout
-from batchinfer.job import make_engine
 from output_readers import READERS, assert_every_reader_sees
 
 N = 23
 COLUMNS = ["doc_id", "title", "output_text", "finish_reason", "prompt_tokens", "completion_tokens", "error",
            "queue_wait_s", "ttft_s", "decode_s"]
-
-
-@pytest.fixture(scope="module")
-def engines():
-    cache: dict = {}
-
-    def factory(spec, on_step=None):
-        key = spec.engine_config()
-        if key not in cache:
-            cache[key] = make_engine(spec)
-        return cache[key]
-
-    return factory
 
 
 def make_job(model: Path, tmp: Path, out: Path) -> dict:

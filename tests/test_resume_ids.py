@@ -20,22 +20,10 @@ from hypothesis import strategies as st
 
 from batchinfer.io import layout
 from batchinfer.io import manifest as mf
-from batchinfer.job import make_engine, run_job as run
+from batchinfer.job import run_job as run
 
 TEXT = "invoice total date customer"
 
-
-@pytest.fixture(scope="module")
-def engines():
-    cache: dict = {}
-
-    def factory(spec, on_step=None):
-        k = spec.engine_config()
-        if k not in cache:
-            cache[k] = make_engine(spec)
-        return cache[k]
-
-    return factory
 
 
 def job(model: Path, out: Path, inp: str, **over) -> dict:

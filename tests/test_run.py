@@ -15,24 +15,11 @@ import batchinfer
 from batchinfer.io import layout
 from batchinfer.io.readers import InputError
 from batchinfer.job.spec import JobError
-from batchinfer.job import make_engine, run_job as run
+from batchinfer.job import run_job as run
 from failing_engine import FailingEngine
 
 WORDS = "invoice total date customer alpha beta gamma one two three".split()
 
-
-@pytest.fixture(scope="module")
-def engines():
-    """One engine per engine config, shared by the runs of this module (loading is the slow part)."""
-    cache: dict = {}
-
-    def factory(spec, on_step=None):
-        key = spec.engine_config()
-        if key not in cache:
-            cache[key] = make_engine(spec)
-        return cache[key]
-
-    return factory
 
 
 def docs(n: int, start: int = 0) -> list[dict]:

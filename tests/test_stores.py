@@ -26,7 +26,6 @@ from batchinfer.io import manifest as mf
 from batchinfer.io.readers import iter_rows, list_input_files
 from batchinfer.io.store import LockedError, expand_glob, location
 from batchinfer.job import JobError, load_job
-from batchinfer.job import make_engine
 
 pytest.importorskip("moto")
 pytest.importorskip("werkzeug")
@@ -62,19 +61,6 @@ def bucket(s3, request):
     name = "b-" + request.node.name.replace("_", "-")[:50].lower().strip("-")
     pafs.S3FileSystem(endpoint_override=s3["AWS_ENDPOINT_URL"], allow_bucket_creation=True).create_dir(name)
     return name
-
-
-@pytest.fixture(scope="module")
-def engines():
-    cache: dict = {}
-
-    def factory(spec, on_step=None):
-        key = spec.engine_config()
-        if key not in cache:
-            cache[key] = make_engine(spec)
-        return cache[key]
-
-    return factory
 
 
 def s3fs():

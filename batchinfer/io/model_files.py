@@ -15,7 +15,8 @@ CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.inde
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json", "special_tokens_map.json")
 
 
-def _sha(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -29,7 +30,7 @@ def model_components(model_dir: Path) -> dict[str, Any]:
     for name in CONFIG_FILES + TOKENIZER_FILES:
         p = model_dir / name
         if p.is_file():
-            out[name] = _sha(p)
+            out[name] = file_sha256(p)
     weights = sorted(model_dir.glob("*.safetensors"))
     out["weights"] = [[w.name, w.stat().st_size, int(w.stat().st_mtime_ns)] for w in weights]
     return out

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from batchinfer.io import layout
 from batchinfer.job.executors import executor_for
-from batchinfer.job.executors.base import Executor, RunHooks
+from batchinfer.job.executors.base import Executor, RunHooks, chain_callbacks
 from batchinfer.job.phases import PhaseTimer
 from batchinfer.job.plan import JobPlan, plan_inputs
 from batchinfer.job.progress import ProgressOptions
@@ -209,19 +209,6 @@ def observe_options(
         raise JobError(f"--metrics-port: {e}") from None
 
 
-def _chain(*callbacks: Callable[[Any], None] | None) -> Callable[[Any], None] | None:
-    """One callback calling each given one in order (None when none is given)."""
-    fns = [f for f in callbacks if f is not None]
-    if len(fns) <= 1:
-        return fns[0] if fns else None
-
-    def call(x: Any) -> None:
-        for f in fns:
-            f(x)
-
-    return call
-
-
 def _start_observer(options: ObserveOptions | None) -> Observer | None:
     """The run's Observer; a port that cannot be served is the user's error (JobError, exit 2)."""
     if options is None:
@@ -309,10 +296,10 @@ def _run_plan(
     watched = hooks
     if obs is not None:
         watched = dataclasses.replace(
-            hooks, on_row=_chain(obs.on_row, hooks.on_row), on_step=_chain(obs.on_step, hooks.on_step),
+            hooks, on_row=chain_callbacks(obs.on_row, hooks.on_row), on_step=chain_callbacks(obs.on_step, hooks.on_step),
             on_commit=lambda part: _flush_records(obs),
         )
-    watched = dataclasses.replace(watched, on_step=_chain(_first_step_marker(phases), watched.on_step))
+    watched = dataclasses.replace(watched, on_step=chain_callbacks(_first_step_marker(phases), watched.on_step))
     try:
         executor.prepare(plan, watched)  # the local executor loads its engine, the preflight threads go on
         with phases.span("preflight_wait") if phases is not None else nullcontext():

@@ -59,3 +59,16 @@ class Executor(Protocol):
         ...
 
     def run(self, plan: JobPlan, hooks: RunHooks) -> RunSummary: ...
+
+
+def chain_callbacks(*callbacks: Callable[[Any], None] | None) -> Callable[[Any], None] | None:
+    """One callback calling each given one in order (None when none is given)."""
+    fns = [f for f in callbacks if f is not None]
+    if len(fns) <= 1:
+        return fns[0] if fns else None
+
+    def call(x: Any) -> None:
+        for f in fns:
+            f(x)
+
+    return call

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from batchinfer.io.background_writer import BackgroundPartWriter
-from batchinfer.job.executors.base import RunHooks
+from batchinfer.job.executors.base import RunHooks, chain_callbacks
 from batchinfer.job.phases import add_spans
 from batchinfer.job.plan import JobPlan, pending_rows
 from batchinfer.job.progress import ProgressDisplay
@@ -28,7 +28,7 @@ def _make_engine(plan: JobPlan, hooks: RunHooks) -> Any:
     """The run's engine. Our own factory takes the preflight's tokenizer and grammar compiler (Futures:
     the engine waits for them only where it needs them); a caller's factory builds its own engine."""
     stop = hooks.stop
-    on_step = _chain(hooks.on_step, stop.check if stop is not None else None)
+    on_step = chain_callbacks(hooks.on_step, stop.check if stop is not None else None)
     t = time.perf_counter()
     if hooks.engine_factory is make_engine:
         engine = make_engine(plan.spec, on_step, tokenizer=plan.preflight.tokenizer, grammar_compiler=plan.preflight.grammar)
@@ -102,16 +102,3 @@ class LocalExecutor:
             phases.mark("parts_committed")
         return summarize(plan, stats.rejects, stats, time.perf_counter() - stats.started,
                          load_seconds=stats.started - hooks.started, stopped=stopped)
-
-
-def _chain(*callbacks: Callable[[Any], None] | None) -> Callable[[Any], None] | None:
-    """One callback calling each given one in order (None when none is given)."""
-    fns = [f for f in callbacks if f is not None]
-    if len(fns) <= 1:
-        return fns[0] if fns else None
-
-    def call(x: Any) -> None:
-        for f in fns:
-            f(x)
-
-    return call

@@ -10,6 +10,7 @@ built. Every error a user can cause is a ModelLoadError naming the folder, field
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +23,8 @@ from batchinfer.models import ARCHITECTURES
 from batchinfer.models.layers import CausalLM, ModelConfig
 from batchinfer.models.linear import Fp8Linear
 from batchinfer.models.quant import FP8_DTYPE, QUANTIZATIONS, checkpoint_quantization
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Tensors some checkpoints carry that our model recomputes or does not need.
@@ -339,7 +342,15 @@ def load_model(
 
 
 def load_tokenizer(model_dir: Path):
-    """The model's fast tokenizer, from local files only."""
+    """The model's fast tokenizer, from local files only: models.tokenizer.FastTokenizer (no
+    transformers import) where it reads the folder exactly as transformers would, else transformers'."""
+    from batchinfer.models.tokenizer import FastTokenizer, unsupported
+
+    if unsupported(Path(model_dir)) is None:
+        try:
+            return FastTokenizer(model_dir)
+        except Exception as exc:  # noqa: BLE001 (a file tokenizers cannot read: say so below, via transformers)
+            log.debug("%s: tokenizer.json not readable by tokenizers (%s); using transformers", model_dir, exc)
     from transformers import AutoTokenizer
 
     try:

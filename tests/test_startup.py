@@ -28,21 +28,21 @@ def _job(model, tmp_path, **over):
 
 
 def test_the_preflight_overlaps_the_engine_load_which_reuses_its_tokenizer_and_grammar(tiny_model, tmp_path, monkeypatch):
-    import transformers
+    from batchinfer.models.tokenizer import FastTokenizer
 
     loads, compilers = [], []
-    real_load = transformers.AutoTokenizer.from_pretrained.__func__
+    real_load = FastTokenizer.__init__
     real_init = compiler_module.GrammarCompiler.__init__
 
-    def load(cls, *a, **k):
+    def load(self, *a, **k):
         loads.append(a[0])
-        return real_load(cls, *a, **k)
+        real_load(self, *a, **k)
 
     def init(self, *a, **k):
         compilers.append(1)
         real_init(self, *a, **k)
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(load))
+    monkeypatch.setattr(FastTokenizer, "__init__", load)
     monkeypatch.setattr(compiler_module.GrammarCompiler, "__init__", init)
     timer = PhaseTimer()
     s = run_job(_job(tiny_model, tmp_path), phases=timer, report=True)
@@ -81,3 +81,35 @@ def test_the_summary_is_handed_over_before_the_report_is_written(tiny_model, tmp
     s = run_job(_job(tiny_model, tmp_path), on_summary=on_summary)
     assert seen == [(5, False, str(tmp_path / "_out.batchinfer" / "report.html"))]
     assert (tmp_path / "_out.batchinfer" / "report.json").exists() and s.report_path == seen[0][2]
+
+
+def test_rows_are_rendered_and_tokenised_while_the_engine_loads(tiny_model, tmp_path, monkeypatch):
+    """Stage 3 starts before the engine is ready (stage.start_prompts): the first batch is prepared
+    during engine_start, and every row comes out once, with the prompt the job's template gives."""
+    import time
+
+    import polars as pl
+
+    from batchinfer.job import stage
+    from batchinfer.job.prompts import PromptBuilder
+    from batchinfer.job.spec import PromptSpec
+    from batchinfer.models.loader import load_tokenizer
+
+    calls: list[float] = []
+    real = stage.prepare_batch
+
+    def prepare(prompts, items):
+        calls.append(time.perf_counter())
+        return real(prompts, items)
+
+    monkeypatch.setattr(stage, "prepare_batch", prepare)
+    timer = PhaseTimer()
+    s = run_job(_job(tiny_model, tmp_path), phases=timer)
+    assert s.this_run_rows == 5 and s.error_rows == 0
+    engine = next(p for p in s.phases["spans"] if p["name"] == "engine_start")
+    assert calls and calls[0] - timer.origin < engine["end_s"], (calls, engine)
+    out = pl.read_parquet(tmp_path / "out" / "*.parquet").sort("doc_id")
+    assert out["doc_id"].to_list() == list(range(5))
+    builder = PromptBuilder(PromptSpec(template="Doc: {{ text }}"), load_tokenizer(tiny_model))
+    want = [len(ids) for _, ids in builder.encode_many([{"text": f"invoice {i} total {3 * i}"} for i in range(5)])]
+    assert out["prompt_tokens"].to_list() == want

@@ -59,6 +59,21 @@ class PreparedRow:
     error: RowError | None = None
 
 
+def prepare_batch(prompts: PromptBuilder, items: list[Row | Reject]) -> list[PreparedRow]:
+    """Render and tokenise the rows of a batch (one tokenizer call); rejects pass through. Needs no
+    engine: stage 3 can start while the engine loads (stage.start_prompts)."""
+    rows = [i for i in items if isinstance(i, Row)]
+    encoded = iter(prompts.encode_many([r.values for r in rows]))
+    out = []
+    for item in items:
+        if isinstance(item, Reject):
+            out.append(PreparedRow(item))
+            continue
+        got = next(encoded)
+        out.append(PreparedRow(item, error=got) if isinstance(got, RowError) else PreparedRow(item, got[0], got[1]))
+    return out
+
+
 class RequestBuilder:
     """Stage 3: a row becomes its Requests (or a RowError naming what is wrong with it)."""
 
@@ -86,16 +101,7 @@ class RequestBuilder:
 
     def prepare_batch(self, items: list[Row | Reject]) -> list[PreparedRow]:
         """Render and tokenise the rows of a batch (one tokenizer call); rejects pass through."""
-        rows = [i for i in items if isinstance(i, Row)]
-        encoded = iter(self.prompts.encode_many([r.values for r in rows]))
-        out = []
-        for item in items:
-            if isinstance(item, Reject):
-                out.append(PreparedRow(item))
-                continue
-            got = next(encoded)
-            out.append(PreparedRow(item, error=got) if isinstance(got, RowError) else PreparedRow(item, got[0], got[1]))
-        return out
+        return prepare_batch(self.prompts, items)
 
     def build(self, row: Row, request_id: str) -> list[Request]:
         """The row's requests: both halves for one row (the serial path)."""

@@ -8,8 +8,11 @@ converter for one engine), `output_columns` (the output schema, the committed pa
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -17,10 +20,10 @@ from batchinfer.engine.request import Request
 from batchinfer.io import layout
 from batchinfer.io.readers import Reject, Row
 from batchinfer.io.writer import PartWriter, existing_schema, output_schema
-from batchinfer.job.plan import JobPlan
+from batchinfer.job.plan import JobPlan, pending_rows
 from batchinfer.job.prefetch import Prefetch, PrefetchConfig
 from batchinfer.job.prompts import PromptBuilder, RowError
-from batchinfer.job.requests import PreparedRow, RequestBuilder, RowMeta
+from batchinfer.job.requests import PreparedRow, RequestBuilder, RowMeta, prepare_batch
 from batchinfer.job.results import RESULT_NAMES, AnswerGroups, ResultConverter
 from batchinfer.job.spec import JobSpec
 from batchinfer.job.summary import Progress, RowRecord
@@ -99,6 +102,26 @@ def output_columns(plan: JobPlan) -> dict[str, Any]:
     return columns
 
 
+def start_prompts(plan: JobPlan, prefetch: PrefetchConfig = PrefetchConfig()) -> "Future[Prefetch]":
+    """Stage 3 started before the engine is ready: a thread waits for the preflight's tokenizer, then
+    reads the pending rows and renders and tokenises them ahead (Prefetch, bounded as ever), so the
+    first step does not wait for them once the engine is up. `execute(..., ahead=...)` takes it; its
+    rows are what the engine's own stage 3 would prepare (prepare_batch needs no engine; the prompt
+    length is checked per request, against the engine's limit). Errors come out of `.result()`."""
+    started: Future = Future()
+
+    def start() -> None:
+        try:
+            prompts = PromptBuilder(plan.spec.prompt, plan.preflight.tokenizer.result())
+            rows = pending_rows(plan, read_columns(plan.spec, prompts.columns))
+            started.set_result(Prefetch(rows, partial(prepare_batch, prompts), prefetch, name="prompts"))
+        except BaseException as e:  # the tokenizer or the plan failed: the run raises it where it takes the rows
+            started.set_exception(e)
+
+    threading.Thread(target=start, name="prompts-start", daemon=True).start()
+    return started
+
+
 # ---- rejects ---------------------------------------------------------------------------------------
 
 
@@ -136,6 +159,7 @@ def execute(
     on_progress: Callable[[Progress], None] | None = None,
     should_stop: Callable[[], None] | None = None,
     prefetch: PrefetchConfig | None = PrefetchConfig(),
+    ahead: Prefetch | None = None,
 ) -> None:
     """Feed rows to the engine lazily; write each result as it finishes (rejects to `rejects`, a text file).
 
@@ -143,11 +167,14 @@ def execute(
     None: row by row in this thread. Either way the engine gets the same requests in the same order.
     Rows that fail before the engine (template, length) are written straight away, from inside the
     request generator (same thread), so memory stays bounded even for a long run of bad rows.
+    ahead: stage 3 already running over `items`' rows (start_prompts), taken instead of starting it here
+    (`items` is then not read); closed here either way.
     Raises RunError when the engine ends without a result for every request. should_stop
     (StopRequest.check) is called before each request and after each result; it raises Stopped to
     end the run early (the caller commits what finished).
     """
-    ahead = Prefetch(items, stages.builder.prepare_batch, prefetch, name="prompts") if prefetch is not None else None
+    if ahead is None and prefetch is not None:
+        ahead = Prefetch(items, stages.builder.prepare_batch, prefetch, name="prompts")
     try:
         _execute(ahead if ahead is not None else _one_by_one(items, stages.builder.prepare_batch), engine, stages,
                  writer, rejects, progress, on_row, on_progress, should_stop)

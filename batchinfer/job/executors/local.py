@@ -17,7 +17,7 @@ from batchinfer.job.executors.base import RunHooks, chain_callbacks
 from batchinfer.job.phases import add_spans
 from batchinfer.job.plan import JobPlan, pending_rows
 from batchinfer.job.progress import ProgressDisplay
-from batchinfer.job.stage import execute, make_engine, output_columns, rejects_file, row_stages
+from batchinfer.job.stage import execute, make_engine, output_columns, rejects_file, row_stages, start_prompts
 from batchinfer.job.stop import Stopped
 from batchinfer.job.summary import Progress, RunSummary, summarize
 
@@ -40,6 +40,17 @@ def _make_engine(plan: JobPlan, hooks: RunHooks) -> Any:
     return engine
 
 
+def _close_prompts(prompts: Any, ahead: Any) -> None:
+    """Stop a stage 3 that was started ahead (start_prompts) and will not be run."""
+    if ahead is None and prompts is not None:
+        try:
+            ahead = prompts.result(timeout=10.0)
+        except BaseException:  # noqa: BLE001 (it failed to start: nothing runs)
+            return
+    if ahead is not None:
+        ahead.close()
+
+
 class LocalExecutor:
     """Load the engine (hooks.engine_factory), stream the pending rows through it, commit parts as they fill."""
 
@@ -47,21 +58,32 @@ class LocalExecutor:
 
     def __init__(self) -> None:
         self._engine: Any = None
+        self._prompts: Any = None  # Future of stage 3 started in prepare (stage.start_prompts)
 
     def prepare(self, plan: JobPlan, hooks: RunHooks) -> None:
-        """Load the engine now (this thread), while the plan's preflight runs on its threads."""
+        """Load the engine now (this thread), while the plan's preflight runs on its threads and stage 3
+        starts preparing the first rows (so the first step finds them ready)."""
         if self._engine is None:
+            if self._prompts is None:
+                self._prompts = start_prompts(plan)
             self._engine = _make_engine(plan, hooks)
 
     def run(self, plan: JobPlan, hooks: RunHooks) -> RunSummary:
         spec = plan.spec
         stop = hooks.stop
-        engine, self._engine = self._engine if self._engine is not None else _make_engine(plan, hooks), None
-        if stop is not None:
-            stop.check()  # a deadline that passed while the model loaded
-        stages = row_stages(spec, engine, tokenizer=plan.preflight.tokenizer.result())
-        writer = BackgroundPartWriter(plan.manifest, output_columns(plan), spec.output.rows_per_part,
-                                      spec.output.seconds_per_part, hooks.on_commit)
+        prompts, self._prompts = self._prompts, None
+        ahead = None
+        try:
+            engine, self._engine = self._engine if self._engine is not None else _make_engine(plan, hooks), None
+            if stop is not None:
+                stop.check()  # a deadline that passed while the model loaded
+            ahead = prompts.result() if prompts is not None else None
+            stages = row_stages(spec, engine, tokenizer=plan.preflight.tokenizer.result())
+            writer = BackgroundPartWriter(plan.manifest, output_columns(plan), spec.output.rows_per_part,
+                                          spec.output.seconds_per_part, hooks.on_commit)
+        except BaseException:
+            _close_prompts(prompts, ahead)
+            raise
         stats = Progress()
         display = ProgressDisplay(plan.pending_count, stats, hooks.progress)
         phases = hooks.phases
@@ -82,7 +104,7 @@ class LocalExecutor:
                     if stop is not None:
                         stop.in_loop = True
                     execute(pending_rows(plan, stages.read_columns), engine, stages, writer, rf, stats, hooks.on_row, tick,
-                            stop.check if stop is not None else None)
+                            stop.check if stop is not None else None, ahead=ahead)
                 except BaseException:
                     writer.save_finished()
                     raise

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchinfer.engine.cuda_graphs import MixedGraphs, mixed_graph_sizes
+from batchinfer.engine.cuda_graphs import MixedGraphs, VerifyGraphs, mixed_graph_sizes, verify_graph_sizes
 from batchinfer.kernels.extend_attention import extend_tile_map
 from batchinfer.kernels.interpreter import ensure_interpreter
 
@@ -49,6 +49,12 @@ def test_mixed_graph_sizes():
     assert mixed_graph_sizes(8192) == (128, 256, *range(512, 8193, 512))
     assert mixed_graph_sizes(300) == (128, 256, 300)
     assert mixed_graph_sizes(100) == (100,)
+
+
+def test_verify_graph_sizes():
+    assert verify_graph_sizes(2048) == (*range(64, 513, 64), *range(640, 2048, 128), 2048)
+    assert verify_graph_sizes(200) == (64, 128, 192, 200)
+    assert verify_graph_sizes(40) == (40,)
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +115,33 @@ def test_torch_backend_steps_have_no_tile_map(tiny_model):
     runner = ModelRunner(EngineConfig(model=str(tiny_model), device="cpu", dtype="float32", num_kv_blocks=16))
     batch = _step(runner, [0, 0], [5, 1], [[0, 1], [2]], [True, True], seed=0)
     assert batch.meta.extend_tiles is None and runner.mixed_graphs is None and not runner.uses_graph(batch)
+
+
+def test_staged_verify_step_samples_every_row_like_the_eager_step(triton_runner):
+    """A verify step (every sequence with drafts, each position sampled) samples more rows than a
+    mixed graph gathers (max_num_seqs): it fits the verify graphs, whose staged, padded body gives the
+    eager logits of every sampled row, also after a larger step left stale rows."""
+    import torch.nn.functional as F  # noqa: F401
+
+    runner = triton_runner
+    seqs = runner.config.max_num_seqs
+    buffers = runner.attention.graph_buffers(200, seqs, runner.max_blocks_per_seq, False, runner.device)
+    graphs = VerifyGraphs(buffers, 200, runner.vocab_size, torch.float32, runner.device)
+    mixed = MixedGraphs(runner.attention.graph_buffers(200, seqs, runner.max_blocks_per_seq, False, runner.device),
+                        200, seqs, runner.vocab_size, torch.float32, runner.device)
+    tables = [list(range(40 * i, 40 * (i + 1))) for i in range(6)]
+    steps = [([0] * 6, [30, 25, 40, 20, 35, 28]), ([30, 25, 40, 20, 35, 28], [5, 3, 5, 1, 4, 2]), ([35, 28, 45], [2, 5, 1])]
+    for i, (starts, lens) in enumerate(steps):
+        batch = _step(runner, starts, lens, tables[: len(lens)], [True] * len(lens), seed=10 + i)
+        if i:  # every position of every chunk samples, as a verify step's do
+            ends = np.cumsum(lens)
+            rows = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, lens)])
+            batch.sample_index = torch.as_tensor(rows, dtype=torch.int64)
+        samples = batch.sample_index.shape[0]
+        assert graphs.fits(batch.input_ids.shape[0], batch.meta, samples)
+        assert mixed.fits(batch.input_ids.shape[0], batch.meta, samples) == (samples <= seqs)
+        eager = runner.forward(batch).clone()
+        t = graphs.stage(batch.input_ids, batch.positions, batch.meta, batch.sample_index)
+        assert t == graphs.sizes[np.searchsorted(graphs.sizes, sum(lens))]
+        padded = runner._logits_at(*graphs.args(t))[:samples]
+        torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4, msg=f"step {i}")

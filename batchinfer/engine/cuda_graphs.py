@@ -55,6 +55,16 @@ def mixed_graph_sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def verify_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Token counts of the verify-step graphs: every multiple of 64 up to 512, then of 128, then
+    max_tokens. Every token row of a verify step samples, so a padded row costs a row of the LM head
+    too: the ladder is finer than the mixed one."""
+    sizes = set(range(64, min(512, max_tokens) + 1, 64))
+    sizes.update(range(640, max_tokens, 128))
+    sizes.add(max_tokens)
+    return tuple(sorted(s for s in sizes if s <= max_tokens))
+
+
 def ladder_size(sizes: tuple[int, ...], n: int) -> int:
     """The smallest of the sorted sizes that is >= n (n must not exceed the largest)."""
     return sizes[bisect.bisect_left(sizes, n)]
@@ -189,9 +199,9 @@ class MixedGraphs(_LadderGraphs):
 
     def __init__(
         self, buffers: GraphBuffers, max_tokens: int, max_num_seqs: int, vocab_size: int,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, sizes: tuple[int, ...] | None = None,
     ) -> None:
-        super().__init__(mixed_graph_sizes(max_tokens), buffers, device)
+        super().__init__(sizes or mixed_graph_sizes(max_tokens), buffers, device)
         self.max_num_seqs = max_num_seqs
         self.sample_index = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.logits = torch.empty(max_num_seqs, vocab_size, dtype=dtype, device=device)
@@ -231,3 +241,24 @@ class MixedGraphs(_LadderGraphs):
         sampling rows (the shared buffer: sample before the next run)."""
         self.graphs[self.stage(input_ids, positions, meta, sample_index)].replay()
         return self.logits[: sample_index.shape[0]]
+
+
+class VerifyGraphs(MixedGraphs):
+    """CUDA graphs for speculative verify steps: like MixedGraphs, but every token row may sample
+    (a sequence's drafts and the token after them all need logits), so a graph of T tokens runs the
+    LM head over T gathered rows. Mixed graphs gather at most max_num_seqs rows: a verify step of
+    256 sequences with 4 drafts each samples 1,280, and ran eagerly (~30 ms of launches per step on
+    the H200 host for qwen3-0.6b, BENCHMARKS.md). Steps that sample at most max_num_seqs rows still
+    replay the mixed graphs (a smaller LM head).
+
+    buffers: the attention backend's graph buffers for steps of up to max_tokens tokens.
+    """
+
+    def __init__(self, buffers: GraphBuffers, max_tokens: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(buffers, max_tokens, max_tokens, vocab_size, dtype, device, sizes=verify_graph_sizes(max_tokens))
+
+    def args(self, t: int) -> tuple:
+        return (self.input_ids[:t], self.positions[:t], self._metas[t], self.sample_index[:t], self.logits[:t])
+
+    def fits(self, num_tokens: int, meta: AttentionMetadata, num_samples: int) -> bool:
+        return not meta.decode_only and num_tokens <= self.sizes[-1] and self.attention.fits(meta)

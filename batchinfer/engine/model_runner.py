@@ -31,7 +31,7 @@ from batchinfer.attention import get_attention_backend
 from batchinfer.attention.base import AttentionMetadata, concat_aligned
 from batchinfer.engine import kv_budget
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes
+from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs, VerifyGraphs, graph_batch_sizes
 from batchinfer.engine.kv_cache import allocate_kv_cache
 from batchinfer.engine.logprobs import StepLogprobs, step_logprobs
 from batchinfer.engine.request import SamplingParams
@@ -151,6 +151,13 @@ class ModelRunner:
             self.mixed_graphs = MixedGraphs(buffers, tokens, config.max_num_seqs, self.vocab_size, self.info.dtype, self.device)
             self.mixed_graphs.capture(self._logits_at)
             t = self._span("graph_capture_mixed", t)
+        self.verify_graphs: VerifyGraphs | None = None
+        tokens = self._verify_graph_tokens()
+        if tokens:
+            buffers = self.attention.graph_buffers(tokens, config.max_num_seqs, self.max_blocks_per_seq, False, self.device)
+            self.verify_graphs = VerifyGraphs(buffers, tokens, self.vocab_size, self.info.dtype, self.device)
+            self.verify_graphs.capture(self._logits_at)
+            t = self._span("graph_capture_verify", t)
         if self.device.type == "cuda":
             self._warm_up_sampling()
             self._span("sampling_warm_up", t)
@@ -164,10 +171,10 @@ class ModelRunner:
     def close(self) -> None:
         """Release the CUDA graphs and their pools, the KV cache and the model (idempotent); the
         runner cannot run steps afterwards."""
-        for graphs in (self.graphs, self.mixed_graphs):
+        for graphs in (self.graphs, self.mixed_graphs, self.verify_graphs):
             if graphs is not None:
                 graphs.close()
-        self.graphs = self.mixed_graphs = None
+        self.graphs = self.mixed_graphs = self.verify_graphs = None
         self.kv_caches = []
         self.model = None
 
@@ -197,6 +204,14 @@ class ModelRunner:
         if not self._graphs_usable():
             return 0
         return min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+
+    def _verify_graph_tokens(self) -> int:
+        """Largest speculative verify step (tokens) captured as a graph: a step with drafts has at most
+        speculative.max_step_tokens tokens (speculative.py); 0: none (no speculation, or no mixed graphs)."""
+        spec = self.config.speculative
+        if spec is None or not self._mixed_graph_tokens():
+            return 0
+        return min(spec.max_step_tokens, self._mixed_graph_tokens())
 
     def _logits_all(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The body of a decode graph: the model and the LM head over every row."""
@@ -346,9 +361,13 @@ class ModelRunner:
         g = self.mixed_graphs
         return g is not None and g.fits(batch.input_ids.shape[0], batch.meta, batch.sample_index.shape[0])
 
+    def _uses_verify_graph(self, batch: StepBatch) -> bool:
+        g = self.verify_graphs
+        return g is not None and g.fits(batch.input_ids.shape[0], batch.meta, batch.sample_index.shape[0])
+
     def uses_graph(self, batch: StepBatch) -> bool:
         """Whether forward(batch) replays a CUDA graph (a short launch) instead of running eagerly."""
-        return self._uses_decode_graph(batch) or self._uses_mixed_graph(batch)
+        return self._uses_decode_graph(batch) or self._uses_mixed_graph(batch) or self._uses_verify_graph(batch)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -361,6 +380,8 @@ class ModelRunner:
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         if self._uses_mixed_graph(batch):
             return self.mixed_graphs.run(batch.input_ids, batch.positions, batch.meta, batch.sample_index)
+        if self._uses_verify_graph(batch):
+            return self.verify_graphs.run(batch.input_ids, batch.positions, batch.meta, batch.sample_index)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         return self.model.compute_logits(hidden.index_select(0, batch.sample_index))
 

@@ -34,8 +34,9 @@ acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are ra
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
 Speculation runs the serial loop (EngineConfig.overlap is ignored) and fills the masks of drafted
-positions on the loop's thread. There are no fixed-width verify graphs: on a GPU a step with drafts
-replays a mixed-step CUDA graph where one fits (engine/cuda_graphs.py MixedGraphs), else runs eagerly.
+positions on the loop's thread. On a GPU a step with drafts replays a CUDA graph: a mixed-step one
+where it samples at most max_num_seqs rows, else a verify graph (engine/cuda_graphs.py VerifyGraphs:
+every token row may sample, up to max_step_tokens tokens).
 Sequences that ask for logprobs get no drafts.
 """
 

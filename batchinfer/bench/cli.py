@@ -1,7 +1,7 @@
 """`batchinfer bench ...`: a Typer sub-app the main CLI mounts as `bench`.
 
 `grammar`: grammar backends on MaskBench files; `throughput`: a named workload against its roofline;
-`cpu`: our engine against transformers `generate` on real-text prompts on the CPU.
+`matrix`: throughput over the shape matrix in one process; `cpu`: our engine against transformers `generate` on real-text prompts on the CPU.
 `job`: the whole `batchinfer run` by the wall clock against the engine alone on the same prompt ids.
 """
 
@@ -113,6 +113,55 @@ def throughput(
     write_report(result, path)
     typer.echo(format_report(result))
     typer.echo(f"numbers written to {path}")
+
+
+@bench_app.command("matrix")
+def matrix(
+    shapes: Optional[str] = typer.Option(None, "--shapes", help="Comma-separated shapes or model folders (default: the whole matrix, bench/shapes.py MATRIX)."),
+    workloads: str = typer.Option("nano256,docs1000", "--workloads", help="Comma-separated workloads (nano256, docs1000, docs1000-json)."),
+    scale: float = typer.Option(0.25, "--scale", help="Shrink request lengths (and counts, unless --count-scale)."),
+    count_scale: Optional[float] = typer.Option(None, "--count-scale", help="Shrink the request counts by this instead of --scale."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
+    attention_backend: Optional[str] = typer.Option(None, "--attention-backend"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every row's numbers as JSON here."),
+    markdown_out: Optional[Path] = typer.Option(None, "--markdown", help="Write the table (as BENCHMARKS.md keeps it) here."),
+) -> None:
+    """`bench throughput` over the shape matrix in one process: output tok/s, % of the roofline floor and each
+    step kind against its own floor, per shape x workload; one engine per shape."""
+    import json
+    import logging
+
+    from batchinfer.bench.matrix import format_markdown, run_matrix
+    from batchinfer.bench.shapes import MATRIX, SHAPES
+    from batchinfer.bench.workloads import WORKLOADS
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    names = [x.strip() for x in shapes.split(",") if x.strip()] if shapes else list(MATRIX)
+    wls = [x.strip() for x in workloads.split(",") if x.strip()]
+    for n in names:
+        if n not in SHAPES and not (Path(n) / "config.json").is_file():
+            typer.echo(f"error: --shapes: {n!r} is neither a shape ({', '.join(SHAPES)}) nor a model folder", err=True)
+            raise typer.Exit(2)
+    for w in wls:
+        if w not in WORKLOADS:
+            typer.echo(f"error: --workloads: unknown workload {w!r}; choose from {', '.join(WORKLOADS)}", err=True)
+            raise typer.Exit(2)
+    overrides = {k: v for k, v in dict(max_num_seqs=max_num_seqs, attention_backend=attention_backend).items() if v is not None}
+    try:
+        result = run_matrix(names, wls, scale=scale, count_scale=count_scale, engine_overrides=overrides, log=typer.echo)
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    table = format_markdown(result)
+    typer.echo(table)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        typer.echo(f"numbers written to {json_out}")
+    if markdown_out is not None:
+        markdown_out.parent.mkdir(parents=True, exist_ok=True)
+        markdown_out.write_text(table)
+        typer.echo(f"table written to {markdown_out}")
 
 
 @bench_app.command("cpu")

@@ -102,13 +102,13 @@ def _jit_compiled_since(before: dict | None) -> dict | None:
 
 
 def load_workload(name: str, tokenizer, vocab_size: int, max_model_len: int, scale: float = 1.0, seed: int = 0,
-                  shard: tuple[int, int] | None = None):
+                  shard: tuple[int, int] | None = None, count_scale: float | None = None):
     """A named workload (bench/workloads.py) or a job file's requests (bench/job_workload.py; scale
     and seed do not apply: the job's rows are the workload); `shard` (i, n) keeps requests i::n."""
     if is_job_file(name):
         wl = job_workload(name, tokenizer, max_model_len)
     else:
-        wl = make_workload(name, vocab_size, seed=seed, scale=scale)
+        wl = make_workload(name, vocab_size, seed=seed, scale=scale, count_scale=count_scale)
     if shard is not None:
         wl = replace(wl, requests=wl.requests[shard[0] :: shard[1]])
     return wl
@@ -141,17 +141,10 @@ def run_throughput(
     then the measured run drafts that output with a share oracle_corrupt of draft tokens corrupted
     (bench/oracle.py).
     """
-    from batchinfer.engine.engine import Engine
-
     if data_parallel not in (None, 1):
         return run_throughput_data_parallel(model, workload, data_parallel, engine_overrides, scale, cache_dir)
 
-    cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "batchinfer-bench")
-    folder, load_format = _model_folder(model, cache_dir)
-    cuda = torch.cuda.is_available()
-    cfg = EngineConfig(model=folder, dtype="bfloat16" if cuda else "float32", load_format=load_format)
-    if engine_overrides:
-        cfg = replace(cfg, **engine_overrides)
+    cfg = bench_engine_config(model, engine_overrides, cache_dir)
     drafter = None
     if speculative is not None:
         if speculative not in ("ngram", "grammar", "ngram+grammar", "oracle"):
@@ -160,22 +153,78 @@ def run_throughput(
             drafter = _record_oracle(cfg, workload, scale, shard, spec_tokens, oracle_corrupt)
         method = "ngram+grammar" if speculative == "oracle" else speculative
         cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens})
-    steps: list = []
-    profiler: StepWindowProfiler | None = None
-
-    def on_step(stats) -> None:
-        steps.append(stats)
-        if profiler is not None:
-            profiler.on_step(stats)
-
     t_load = time.perf_counter()
-    engine = Engine(cfg, on_step=on_step, drafter=drafter)
+    bench = BenchEngine.open(cfg, drafter)
     load_s = time.perf_counter() - t_load
-    info = engine.model_info
-    wl = load_workload(workload, engine.tokenizer, info.vocab_size, engine.max_model_len, scale=scale, shard=shard)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return measure_workload(bench, model, workload, measure_ceilings(device), scale=scale, shard=shard, load_s=load_s,
+                                profile_dir=profile_dir, before_measure=before_measure, speculative=speculative,
+                                oracle_corrupt=oracle_corrupt)
+    finally:
+        bench.close()
 
-    device = torch.device("cuda" if cuda else "cpu")
-    ceilings = measure_ceilings(device)
+
+def bench_engine_config(model: str, engine_overrides: dict | None = None, cache_dir: Path | None = None) -> EngineConfig:
+    """The engine config of a benchmark of `model` (a shape name: random weights; or a model folder)."""
+    cache_dir = Path(cache_dir or Path(tempfile.gettempdir()) / "batchinfer-bench")
+    folder, load_format = _model_folder(model, cache_dir)
+    cfg = EngineConfig(model=folder, dtype="bfloat16" if torch.cuda.is_available() else "float32", load_format=load_format)
+    return replace(cfg, **engine_overrides) if engine_overrides else cfg
+
+
+class BenchEngine:
+    """An engine for benchmark runs and the stats of the steps it ran since the last `clear`.
+
+    `bench matrix` opens one per shape and measures several workloads on it (measure_workload)."""
+
+    def __init__(self, cfg: EngineConfig, engine, steps: list) -> None:
+        self.cfg, self.engine, self.steps = cfg, engine, steps
+        self.profiler: StepWindowProfiler | None = None
+
+    @classmethod
+    def open(cls, cfg: EngineConfig, drafter=None) -> "BenchEngine":
+        from batchinfer.engine.engine import Engine
+
+        steps: list = []
+        holder: list[BenchEngine] = []
+
+        def on_step(stats) -> None:
+            steps.append(stats)
+            if holder and holder[0].profiler is not None:
+                holder[0].profiler.on_step(stats)
+
+        bench = cls(cfg, Engine(cfg, on_step=on_step, drafter=drafter), steps)
+        holder.append(bench)
+        return bench
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def measure_workload(
+    bench: BenchEngine,
+    model: str,
+    workload: str,
+    ceilings,
+    *,
+    scale: float = 1.0,
+    count_scale: float | None = None,
+    shard: tuple[int, int] | None = None,
+    load_s: float = 0.0,
+    profile_dir: Path | None = None,
+    before_measure=None,
+    speculative: str | None = None,
+    oracle_corrupt: float = 0.0,
+) -> dict:
+    """Warm `bench`'s engine up on a few short requests, run `workload` on it timed, and return the
+    numbers (run_throughput's dict) against `ceilings` (measured once by the caller)."""
+    engine, cfg, steps = bench.engine, bench.cfg, bench.steps
+    folder = cfg.model
+    cuda = torch.cuda.is_available()
+    info = engine.model_info
+    wl = load_workload(workload, engine.tokenizer, info.vocab_size, engine.max_model_len, scale=scale, shard=shard,
+                       count_scale=count_scale)
 
     if is_job_file(workload):  # a few of its own requests, short (a job file has no second seed)
         warm = [replace(r, request_id=f"warm-{r.request_id}", sampling=replace(r.sampling, max_tokens=8)) for r in wl.requests[:4]]
@@ -184,8 +233,9 @@ def run_throughput(
     list(engine.generate(warm))
     steps.clear()
     profile_dir = profile_dir or (Path(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None)
+    profiler = None
     if profile_dir is not None:
-        profiler = StepWindowProfiler(profile_dir, start_step=int(os.environ.get(PROFILE_START_ENV, "60")))
+        profiler = bench.profiler = StepWindowProfiler(profile_dir, start_step=int(os.environ.get(PROFILE_START_ENV, "60")))
 
     jit_before = _jit_snapshot()
     if before_measure is not None:
@@ -197,6 +247,7 @@ def run_throughput(
     elapsed = time.perf_counter() - t0
     if profiler is not None:
         profiler.finish()
+        bench.profiler = None
     compiled = _jit_compiled_since(jit_before)
 
     ok = [r for r in results if r.finish_reason != "error"]

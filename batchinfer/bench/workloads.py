@@ -41,17 +41,21 @@ def _ids(rng: random.Random, n: int, low: int, high: int) -> list[int]:
     return [rng.randrange(low, high) for _ in range(n)]
 
 
-def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0) -> Workload:
-    """nano256 | docs1000 | docs1000-json. `scale` shrinks counts and lengths (CPU smoke runs)."""
+def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0, count_scale: float | None = None) -> Workload:
+    """nano256 | docs1000 | docs1000-json. `scale` shrinks counts and lengths (CPU smoke runs);
+    count_scale, where given, shrinks the request count instead (lengths then shrink by `scale`)."""
     rng = random.Random(seed)
     high = min(vocab_size, 100_000)  # ordinary-text ids, away from special tokens at the top
 
     def s(x: int) -> int:
         return max(1, int(x * scale))
 
+    def count(x: int) -> int:
+        return s(x) if count_scale is None else max(1, int(x * count_scale))
+
     if name == "nano256":
         reqs = []
-        for i in range(s(256)):
+        for i in range(count(256)):
             p, o = rng.randint(s(100), s(1024)), rng.randint(s(100), s(1024))
             reqs.append(
                 Request(f"nano-{i}", _ids(rng, p, 10, high), SamplingParams(max_tokens=o, temperature=0.6, ignore_eos=True, seed=i))
@@ -61,7 +65,7 @@ def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0)
         prefix = _ids(rng, s(200), 10, high)
         constraint = Constraint.json_schema(DOCS_SCHEMA) if name == "docs1000-json" else None
         reqs = []
-        for i in range(s(1000)):
+        for i in range(count(1000)):
             doc = _ids(rng, rng.randint(s(500), s(3000)), 10, high)
             sampling = SamplingParams(max_tokens=s(200), temperature=0.0, ignore_eos=constraint is None)
             reqs.append(Request(f"doc-{i}", prefix + doc, sampling, constraint))

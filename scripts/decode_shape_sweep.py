@@ -1,9 +1,15 @@
-"""Decode attention launch sweep over the shape matrix (bench/shapes.py MATRIX): for each shape's
+"""Decode attention launch sweep over eleven released attention shapes (MATRIX below): for each shape's
 (query heads, KV heads, head_dim) and batch size, every launch config's effective KV bandwidth,
 against the measured copy bandwidth. The data behind kernels/decode_attention.launch_config.
 
-Contexts uniform in [100, 2048] tokens, 16-token blocks in shuffled order, bf16 (or --kv fp8).
+Contexts uniform in [100, 2048] tokens, 16-token blocks in shuffled order, bf16.
 Usage (device tool): python3 scripts/decode_shape_sweep.py [--json out.json] [--batches 256,64,16,1]
+  --mode grid (default): every (splits, block_n, warps, stages) of the "sequence" work split.
+  --mode rule: per shape x batch, the old launch (query-head rows), the shape rule
+    (kernels/decode_launch.py), the "balanced" work split at 1-8 programs per SM and both tiles,
+    and a device copy of the same bytes (what a plain copy of that size reaches).
+Offline (no GPU): python3 scripts/decode_shape_sweep.py --report sweep.json [--markdown out.md]
+  prints default / rule / best per shape x batch as % of the copy bandwidth.
 """
 from __future__ import annotations
 
@@ -11,13 +17,9 @@ import itertools
 import json
 import sys
 
-import torch
+from batchinfer.kernels.decode_launch import launch_config
 
-from batchinfer.bench.roofline import measure_ceilings
-from batchinfer.kernels.decode_attention import paged_decode_attention
-
-sys.path.insert(0, "scripts")
-from bench_decode_kernels import graph_time  # noqa: E402
+SMS_SWEPT = 132  # the H200 of sweep.json (the report evaluates the rule for this SM count)
 
 # (name, query heads, KV heads, head_dim) of released models
 MATRIX = [
@@ -28,8 +30,82 @@ MATRIX = [
 ]
 
 
+def rule_mode(res, q, k_cache, v_cache, tables, lens, out, b, hq, hkv, d, kv_bytes, dev, graph_time, attn) -> None:
+    """--mode rule: res[name] = seconds per call for the old launch, the rule, balanced variants, a copy."""
+    import torch
+
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def run(key, **kw):
+        try:
+            res[key] = graph_time(lambda: attn(q, k_cache, v_cache, tables, lens, 0.088, out=out, **kw), reps=10)
+        except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
+            print(f"   {key} failed: {type(e).__name__}: {e}")
+
+    sp, bn, w, st = map(int, old_launch(b, hq, hq // hkv, sms).split("/"))
+    run("old", num_splits=sp, block_n=bn, num_warps=w, num_stages=st)
+    rule = launch_config(b, hq, hkv, d, 2, sms)
+    run("rule", num_splits=rule.splits, block_n=rule.block_n, num_warps=rule.num_warps, num_stages=rule.num_stages)
+    for per_sm in (1, 2, 3, 4, 6, 8):
+        for bn in sorted({rule.block_n, 128 if rule.block_n == 64 else 64}):
+            c = launch_config(b, hq, hkv, d, 2, sms, work="balanced", programs_per_sm=per_sm)
+            run(f"balanced/{per_sm}/{bn}", num_splits=c.splits, block_n=bn, num_warps=4, num_stages=2, work="balanced")
+    src = torch.empty(kv_bytes // 4, dtype=torch.uint8, device=dev)  # a copy moving kv_bytes (read + write)
+    dst = torch.empty_like(src)
+    res["copy_same_bytes"] = graph_time(lambda: dst.copy_(src), reps=10)
+
+
+def old_launch(b: int, hq: int, group: int, sms: int) -> str:
+    """The launch before the shape rule: slices from query-head rows (60 per SM), block_n 128 for
+    groups >= 4 else 64, 3 stages at 128."""
+    sp = 1
+    while sp < 16 and b * hq * sp < 60 * sms:
+        sp *= 2
+    bn = 128 if group >= 4 else 64
+    return f"{sp}/{bn}/4/{3 if bn >= 128 else 2}"
+
+
+def report(path: str, markdown: str | None) -> None:
+    """default / rule / best of a --mode grid sweep, as % of the copy bandwidth."""
+    d = json.load(open(path))
+    copy = d["copy_bytes_per_s"]
+    lines = ["| shape | q/kv heads (group) | head_dim | batch | KV MB | default | rule | best (config) |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    ratios = {"default": [], "rule": []}
+    for r in d["rows"]:
+        pct = lambda t: 100 * r["kv_bytes"] / t / copy  # noqa: E731
+        res = r["results"]
+        c = launch_config(r["batch"], r["hq"], r["hkv"], r["d"], 2, SMS_SWEPT)
+        rule = f"{c.splits}/{c.block_n}/{c.num_warps}/{c.num_stages}"
+        best = min(res, key=res.get)
+        ratios["default"].append(res[best] / r["default_s"])
+        ratios["rule"].append(res[best] / res[rule])
+        lines.append(f"| {r['shape']} | {r['hq']}/{r['hkv']} ({r['hq'] // r['hkv']}) | {r['d']} | {r['batch']} | "
+                     f"{r['kv_bytes'] / 1e6:.0f} | {pct(r['default_s']):.0f}% | {pct(res[rule]):.0f}% ({rule}) | "
+                     f"{pct(res[best]):.0f}% ({best}) |")
+    for k, v in ratios.items():
+        lines.append(f"\n{k}: mean {100 * sum(v) / len(v):.1f}% of the best config's bandwidth, worst {100 * min(v):.1f}%")
+    text = "\n".join(lines)
+    print(text)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(text + "\n")
+
+
 def main() -> None:
     args = sys.argv[1:]
+    if "--report" in args:
+        report(args[args.index("--report") + 1], args[args.index("--markdown") + 1] if "--markdown" in args else None)
+        return
+    import torch
+
+    from batchinfer.bench.roofline import measure_ceilings
+    from batchinfer.kernels.decode_attention import paged_decode_attention
+
+    sys.path.insert(0, "scripts")
+    from bench_decode_kernels import graph_time
+
+    mode = args[args.index("--mode") + 1] if "--mode" in args else "grid"
     out_json = args[args.index("--json") + 1] if "--json" in args else None
     batches = [int(b) for b in (args[args.index("--batches") + 1] if "--batches" in args else "256,64,8").split(",")]
     dev = torch.device("cuda")
@@ -57,7 +133,10 @@ def main() -> None:
             out = torch.empty_like(q)
             kv_bytes = int(lens.sum()) * hkv * d * 2 * 2
             res = {}
-            for (bn, w, st), sp in itertools.product(configs, (1, 2, 4, 8, 16)):
+            if mode == "rule":
+                rule_mode(res, q, k_cache, v_cache, tables[:b], lens, out, b, hq, hkv, d, kv_bytes, dev, graph_time,
+                          paged_decode_attention)
+            for (bn, w, st), sp in itertools.product(configs if mode == "grid" else (), (1, 2, 4, 8, 16)):
                 try:
                     res[(sp, bn, w, st)] = graph_time(lambda: paged_decode_attention(
                         q, k_cache, v_cache, tables[:b], lens, 0.088, num_splits=sp, block_n=bn, out=out,
@@ -65,6 +144,12 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
                     print(f"   {sp}sp {bn}n {w}w{st}s failed: {type(e).__name__}")
             default = graph_time(lambda: paged_decode_attention(q, k_cache, v_cache, tables[:b], lens, 0.088, out=out), reps=10)
+            if mode == "rule":
+                line = ", ".join(f"{k} {100 * kv_bytes / t / copy:.0f}%" for k, t in res.items())
+                print(f"B={b:4d} ({kv_bytes / 1e6:.0f} MB) % of copy: {line}")
+                rows.append(dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, kv_bytes=kv_bytes, default_s=default,
+                                 mode="rule", results=res))
+                continue
             best = min(res, key=res.get)
             gbs = lambda t: kv_bytes / t / 1e9  # noqa: E731
             top = sorted(res, key=res.get)[:4]

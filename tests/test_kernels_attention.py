@@ -88,25 +88,58 @@ def test_decode_padding_rows_are_zero(num_splits):
     close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
 
 
-def test_decode_splits_fill_the_gpu_and_drop_to_one_for_large_batches(monkeypatch):
-    """More slices for small batches (fill every SM), one for large batches with many heads
-    (no merge pass); always a power of two in [1, 16]; 8 on the CPU."""
-    dec = K["decode_attention"]
-    assert dec.decode_splits(4, 8, torch.device("cpu")) == 8
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("dtype,num_ranges", [(torch.float32, 1), (torch.float32, 3), (torch.float16, 16)])
+def test_balanced_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size, num_ranges):
+    """The "balanced" work split: ranges that cut sequences (merged), hold whole ones (written
+    directly), hold nothing (more ranges than tiles), and a padding row."""
+    seq_lens = [1, 37, 0, 70, 16]
+    k_cache, v_cache, tables, gen = paged_context(seq_lens, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + 7)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = K["decode_attention"].paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.25, num_splits=num_ranges, block_n=16, work="balanced"
+    )
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25), dtype)
 
-    class Props:
-        multi_processor_count = 132
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
-    cuda = torch.device("cuda")
-    rows = dec.ROWS_PER_SM * 132
-    for heads in (16, 32):
-        got = {b: dec.decode_splits(b, heads, cuda) for b in (1, 2, 8, 16, 32, 64, 128, 256, 512)}
-        for b, s in got.items():
-            assert s in (1, 2, 4, 8, 16)
-            assert b * heads * s >= rows or s == 16  # enough rows in flight ...
-            assert s == 1 or b * heads * (s // 2) < rows  # ... and no more slices than that needs
-    assert dec.decode_splits(256, 16, cuda) == 2 and dec.decode_splits(512, 32, cuda) == 1
+@settings(max_examples=8, deadline=None)
+@given(
+    seq_lens=st.lists(st.integers(0, 90), min_size=1, max_size=7),
+    num_ranges=st.integers(1, 12),
+    work=st.sampled_from(["balanced", "sequence"]),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_work_splits_match_reference_on_any_lengths(seq_lens, num_ranges, work, seed):
+    k_cache, v_cache, tables, gen = paged_context(seq_lens, 2, 16, 8, torch.float32, seed=seed)
+    q = torch.randn(len(seq_lens), 6, 16, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = K["decode_attention"].paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.3, num_splits=num_ranges, block_n=16, work=work
+    )
+    close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.3), torch.float32)
+
+
+def test_decode_launch_rule():
+    """kernels/decode_launch.py: 16 KB tiles, >= 32 partial rows per SM, a power of two in [2, 16];
+    pure (no device, no lengths)."""
+    from batchinfer.kernels.decode_launch import launch_config
+
+    assert launch_config(64, 14, 2, 64, 2, 132).block_n == 128
+    assert launch_config(64, 32, 8, 128, 2, 132).block_n == 64
+    for hq, hkv in ((14, 2), (9, 3), (28, 4), (32, 8), (32, 32)):
+        for b in (1, 8, 64, 256, 1024):
+            c = launch_config(b, hq, hkv, 128, 2, 132)
+            assert c.splits in (2, 4, 8, 16) and c.num_warps == 4 and c.num_stages == 2 and c.work == "sequence"
+            assert b * hq * c.splits >= 32 * 132 or c.splits == 16
+            assert c.splits == 2 or b * hq * c.splits // 2 < 32 * 132
+    assert launch_config(64, 16, 8, 128, 2, 132).splits == 8 and launch_config(256, 12, 2, 128, 2, 132).splits == 2
+    bal = launch_config(64, 14, 2, 64, 2, 132, work="balanced")
+    assert bal.work == "balanced" and bal.splits == 198  # 3 x 132 programs over 2 KV heads
+    assert launch_config(4, 8, 2, 16, 2, None).splits == 8  # the CPU interpreter
+    with pytest.raises(ValueError, match="multiple"):
+        launch_config(4, 6, 4, 16, 2, 132)
 
 
 # ---------------------------------------------------------------- extend / prefill

@@ -29,8 +29,10 @@ class TritonAttentionBackend:
 
     gqa_group: query heads per KV head of the model it serves (the extend tile map's tile size
         depends on it: build_metadata needs it, forward checks it);
-    decode_splits: context slices per (sequence, KV head) in decode; None: chosen from the batch
-        size (kernels.decode_attention.decode_splits; fixed per batch size, so CUDA-graph safe);
+    decode_splits: context slices per (sequence, KV head) in decode ("balanced" work: token ranges
+        per KV head); None: derived from the batch size and the model's shape
+        (kernels/decode_launch.launch_config; fixed per batch size, so CUDA-graph safe);
+    decode_work: "sequence" or "balanced", the decode kernel's work split (kernels/decode_launch.py);
     decode_block_n / extend_block_n: keys per inner iteration; extend_block_rows: query rows
     (tokens x GQA heads) per extend program;
     kv_scale: the per-tensor scale of an FP8 KV cache (values stored as x / kv_scale, read back times
@@ -40,8 +42,9 @@ class TritonAttentionBackend:
     gqa_group: int = 1
     decode_splits: int | None = None
     decode_block_n: int | None = None
-    decode_warps: int = 4
+    decode_warps: int | None = None
     decode_stages: int | None = None
+    decode_work: str = "sequence"
     extend_block_rows: int = 64
     extend_block_n: int = 64
     kv_scale: float = 1.0
@@ -94,7 +97,7 @@ class TritonAttentionBackend:
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                 num_splits=self.decode_splits, block_n=self.decode_block_n,
-                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=s, v_scale=s,
+                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=s, v_scale=s, work=self.decode_work,
             )
         # rows past the last sequence (padding) are never written by the kernels: zero them
         out = torch.zeros_like(q) if q.shape[0] > sum(meta.query_lens_cpu) else torch.empty_like(q)
@@ -116,7 +119,7 @@ class TritonAttentionBackend:
             paged_decode_attention(
                 q[:n_dec], k_cache, v_cache, meta.block_tables[:n_dec], dec_lens, scale,
                 num_splits=self.decode_splits, block_n=self.decode_block_n, out=out[:n_dec],
-                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=s, v_scale=s,
+                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=s, v_scale=s, work=self.decode_work,
             )
         return paged_extend_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from batchinfer.kernels._util import check_attention_inputs, dot_precision, pow2
+from batchinfer.kernels.decode_balanced import balanced_decode_attention
+from batchinfer.kernels.decode_launch import DecodeLaunch, launch_config
 
 LOG2E = 1.4426950408889634
 
@@ -129,26 +131,15 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-ROWS_PER_SM = 60  # partial-output rows (sequence x query head x split) in flight per SM
+def _sm_count(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
-def decode_splits(batch: int, num_heads: int, device: torch.device) -> int:
-    """Context slices per (sequence, KV head) for a decode batch: the smallest power of two in
-    [1, 16] with batch x query heads x splits >= ROWS_PER_SM x SMs.
-
-    More slices keep every SM busy when the batch is small; fewer slices mean fewer partial
-    outputs to write and merge (their cost grows with the query heads, hence counting query heads,
-    not programs). Measured on an H200 (scripts/bench_decode_kernels.py, BENCHMARKS.md): within 4%
-    of the best split count for 16 and 32 query heads at batch 1-256. Depends only on the batch
-    size and the model, so a CUDA graph captured at one batch size keeps it; one split (large
-    batches, many heads) skips the merge kernel."""
-    if device.type != "cuda":
-        return 8
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = 1
-    while splits < 16 and batch * num_heads * splits < ROWS_PER_SM * sms:
-        splits *= 2
-    return splits
+def decode_launch(q: torch.Tensor, k_cache: torch.Tensor, work: str = "sequence") -> DecodeLaunch:
+    """The launch config for this call's shape (kernels/decode_launch.launch_config): a function of
+    the batch size, the model's heads and head_dim, the cache dtype and the GPU, never of the lengths."""
+    batch, num_heads, head_dim = q.shape
+    return launch_config(batch, num_heads, k_cache.shape[2], head_dim, k_cache.element_size(), _sm_count(q.device), work)
 
 
 def paged_decode_attention(
@@ -161,21 +152,24 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    work: str = "sequence",
 ) -> torch.Tensor:
     """Attention of each sequence's single query token over its whole paged context.
 
     k_scale, v_scale: what the cached values are multiplied by when read (an FP8 cache's per-tensor
     scales; 1.0 for a cache in the model's dtype).
 
-    num_splits: number of context slices per (sequence, KV head), fixed for a batch size (the
-    launch shape never depends on sequence lengths); None picks decode_splits(batch, ...). With one
-    split the kernel writes the output itself and the merge kernel is skipped.
-    block_n: context tokens per inner iteration (multiple of 16); None: 128 for GQA groups of 4
-    or more query heads, else 64 (measured best on an H200). num_stages None: 3 for 128, else 2.
+    work: "sequence" (each sequence's context cut into num_splits slices) or "balanced" (the
+    batch's contexts cut into num_splits equal token ranges per KV head: kernels/decode_balanced.py).
+    num_splits: slices per (sequence, KV head), or ranges per KV head; fixed for a batch size (the
+    launch shape never depends on sequence lengths). With one "sequence" split the kernel writes
+    the output itself and the merge kernel is skipped.
+    block_n: context tokens per inner iteration (multiple of 16). Every launch parameter left None
+    comes from the shape (decode_launch: kernels/decode_launch.py has the rule and its data).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, group = check_attention_inputs(q, k_cache, v_cache)
@@ -183,12 +177,17 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    if num_splits is None:
-        num_splits = decode_splits(batch, num_heads, q.device)
-    if block_n is None:
-        block_n = 128 if group >= 4 else 64
-    if num_stages is None:
-        num_stages = 3 if block_n >= 128 else 2
+    if None in (num_splits, block_n, num_warps, num_stages):
+        launch = decode_launch(q, k_cache, work)
+        num_splits = launch.splits if num_splits is None else num_splits
+        block_n = launch.block_n if block_n is None else block_n
+        num_warps = launch.num_warps if num_warps is None else num_warps
+        num_stages = launch.num_stages if num_stages is None else num_stages
+    if work == "balanced":
+        return balanced_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, block_n, out,
+                                         num_warps, num_stages, k_scale, v_scale)
+    if work != "sequence":
+        raise ValueError(f"decode work split must be 'sequence' or 'balanced', not {work!r}")
     direct = num_splits == 1
     if direct:
         mid_o, mid_lse = out, out  # written directly; mid_lse unused

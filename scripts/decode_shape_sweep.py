@@ -50,7 +50,7 @@ def rule_mode(res, q, k_cache, v_cache, tables, lens, out, b, hq, hkv, d, kv_byt
         for bn in sorted({rule.block_n, 128 if rule.block_n == 64 else 64}):
             c = launch_config(b, hq, hkv, d, 2, sms, work="balanced", programs_per_sm=per_sm)
             run(f"balanced/{per_sm}/{bn}", num_splits=c.splits, block_n=bn, num_warps=4, num_stages=2, work="balanced")
-    src = torch.empty(kv_bytes // 4, dtype=torch.uint8, device=dev)  # a copy moving kv_bytes (read + write)
+    src = torch.empty(kv_bytes // 2, dtype=torch.uint8, device=dev)  # a copy moving kv_bytes (read + write)
     dst = torch.empty_like(src)
     res["copy_same_bytes"] = graph_time(lambda: dst.copy_(src), reps=10)
 

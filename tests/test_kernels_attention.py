@@ -229,8 +229,9 @@ def test_triton_backend_matches_torch_backend_over_steps():
     torch.testing.assert_close(torch.nan_to_num(kc_t, 9.0), torch.nan_to_num(kc_r, 9.0))
 
 
-@pytest.mark.parametrize("query_lens", [[1, 1, 1, 5, 12], [1, 7], [4, 1, 1], [1, 1]])
-def test_triton_backend_mixed_step_splits_decode_rows(query_lens):
+@pytest.mark.parametrize("query_lens,work", [([1, 1, 1, 5, 12], "sequence"), ([1, 7], "sequence"), ([4, 1, 1], "sequence"),
+                                             ([1, 1], "sequence"), ([1, 1, 1, 5, 12], "balanced"), ([1, 1], "balanced")])
+def test_triton_backend_mixed_step_splits_decode_rows(query_lens, work):
     """A mixed step: its leading one-token sequences go to the decode kernel, the rest to the
     extend kernel (a one-token sequence after a prefill stays with the extend kernel); together
     they equal the reference over the whole batch."""
@@ -251,7 +252,8 @@ def test_triton_backend_mixed_step_splits_decode_rows(query_lens):
     )
     leading = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
     assert meta.num_leading_single == leading
-    backend = TritonAttentionBackend(decode_splits=4, decode_block_n=16, extend_block_rows=16, extend_block_n=16)
+    backend = TritonAttentionBackend(decode_splits=4, decode_block_n=16, extend_block_rows=16, extend_block_n=16,
+                                     decode_work=work)
     kv = torch.zeros(tokens, num_kv_heads, head_dim)
     got = backend.forward(q, kv, kv, k_cache, v_cache, meta, 0.25)
     close(got, reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.25), torch.float32)
@@ -278,3 +280,4 @@ def test_registry_builds_triton_backend():
     if "triton" not in attention.BACKENDS:
         pytest.skip("triton backend not registered yet")
     assert attention.get_attention_backend("triton", "cpu").name == "triton"
+    assert attention.get_attention_backend("triton-balanced", "cpu").decode_work == "balanced"

@@ -26,9 +26,18 @@ def _triton_backend(device: torch.device, gqa_group: int, kv_scale: float = 1.0)
     return TritonAttentionBackend(gqa_group=gqa_group, kv_scale=kv_scale)
 
 
+def _triton_balanced_backend(device: torch.device, gqa_group: int, kv_scale: float = 1.0) -> AttentionBackend:
+    """The Triton backend with decode attention's "balanced" work split (kernels/decode_launch.py):
+    to measure it against "triton" end to end (`bench throughput --attention-backend triton-balanced`)."""
+    from batchinfer.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(gqa_group=gqa_group, kv_scale=kv_scale, decode_work="balanced")
+
+
 BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
     "torch": _torch_backend,
     "triton": _triton_backend,
+    "triton-balanced": _triton_balanced_backend,
 }
 
 # A flash-attn backend is not written yet (flash-attn 2's paged KV wants 256-token pages); it would

@@ -34,7 +34,8 @@ class EngineConfig:
         supported models fit; a model with larger K or V wants a larger scale). Ignored with auto.
     num_kv_blocks: force this many KV blocks (tests; overrides both sizes above).
     enable_prefix_sharing: share KV blocks of identical full-block prefixes between sequences.
-    attention_backend: auto | torch | triton (auto: triton on a GPU, torch on CPU).
+    attention_backend: auto | torch | triton | triton-balanced (auto: triton on a GPU, torch on CPU;
+        triton-balanced: triton with decode attention's balanced work split, kernels/decode_launch.py).
     cuda_graphs: capture decode steps as CUDA graphs (GPU only).
     cuda_graph_max_tokens: with cuda_graphs, also capture steps that prefill (mixed steps) of up to
         this many tokens, padded to multiples of 512 (engine/cuda_graphs.py MixedGraphs; needs an

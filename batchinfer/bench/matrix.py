@@ -68,7 +68,7 @@ def run_matrix(
     for shape in shapes:
         cfg = bench_engine_config(shape, engine_overrides, cache_dir)
         t_load = time.perf_counter()
-        bench = BenchEngine.open(cfg)
+        bench = BenchEngine(cfg)
         load_s = time.perf_counter() - t_load
         try:
             for workload in workloads:

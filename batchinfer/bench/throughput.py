@@ -154,7 +154,7 @@ def run_throughput(
         method = "ngram+grammar" if speculative == "oracle" else speculative
         cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens})
     t_load = time.perf_counter()
-    bench = BenchEngine.open(cfg, drafter)
+    bench = BenchEngine(cfg, drafter)
     load_s = time.perf_counter() - t_load
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -174,29 +174,21 @@ def bench_engine_config(model: str, engine_overrides: dict | None = None, cache_
 
 
 class BenchEngine:
-    """An engine for benchmark runs and the stats of the steps it ran since the last `clear`.
+    """An engine for benchmark runs and the stats of the steps it ran (measure_workload clears them
+    after its warm-up). `bench matrix` opens one per shape and measures several workloads on it."""
 
-    `bench matrix` opens one per shape and measures several workloads on it (measure_workload)."""
-
-    def __init__(self, cfg: EngineConfig, engine, steps: list) -> None:
-        self.cfg, self.engine, self.steps = cfg, engine, steps
-        self.profiler: StepWindowProfiler | None = None
-
-    @classmethod
-    def open(cls, cfg: EngineConfig, drafter=None) -> "BenchEngine":
+    def __init__(self, cfg: EngineConfig, drafter=None) -> None:
         from batchinfer.engine.engine import Engine
 
-        steps: list = []
-        holder: list[BenchEngine] = []
+        self.cfg = cfg
+        self.steps: list = []
+        self.profiler: StepWindowProfiler | None = None
+        self.engine = Engine(cfg, on_step=self._on_step, drafter=drafter)
 
-        def on_step(stats) -> None:
-            steps.append(stats)
-            if holder and holder[0].profiler is not None:
-                holder[0].profiler.on_step(stats)
-
-        bench = cls(cfg, Engine(cfg, on_step=on_step, drafter=drafter), steps)
-        holder.append(bench)
-        return bench
+    def _on_step(self, stats) -> None:
+        self.steps.append(stats)
+        if self.profiler is not None:
+            self.profiler.on_step(stats)
 
     def close(self) -> None:
         self.engine.close()

@@ -72,9 +72,20 @@ def report(path: str, markdown: str | None) -> None:
     lines = ["| shape | q/kv heads (group) | head_dim | batch | KV MB | default | rule | best (config) |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     ratios = {"default": [], "rule": []}
+    if any(r.get("mode") == "rule" for r in d["rows"]):
+        lines = ["| shape | q/kv heads (group) | head_dim | batch | KV MB | old | rule | balanced best (per SM/block_n) | "
+                 "copy of the same bytes |", "|---|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in d["rows"]:
         pct = lambda t: 100 * r["kv_bytes"] / t / copy  # noqa: E731
         res = r["results"]
+        if r.get("mode") == "rule":
+            bal = {k: t for k, t in res.items() if k.startswith("balanced/")}
+            bb = min(bal, key=bal.get) if bal else None
+            cell = lambda k: f"{pct(res[k]):.0f}%" if k in res else "-"  # noqa: E731
+            lines.append(f"| {r['shape']} | {r['hq']}/{r['hkv']} ({r['hq'] // r['hkv']}) | {r['d']} | {r['batch']} | "
+                         f"{r['kv_bytes'] / 1e6:.0f} | {cell('old')} | {cell('rule')} | "
+                         + (f"{pct(bal[bb]):.0f}% ({bb.split('/', 1)[1]})" if bb else "-") + f" | {cell('copy_same_bytes')} |")
+            continue
         c = launch_config(r["batch"], r["hq"], r["hkv"], r["d"], 2, SMS_SWEPT)
         rule = f"{c.splits}/{c.block_n}/{c.num_warps}/{c.num_stages}"
         best = min(res, key=res.get)
@@ -84,6 +95,8 @@ def report(path: str, markdown: str | None) -> None:
                      f"{r['kv_bytes'] / 1e6:.0f} | {pct(r['default_s']):.0f}% | {pct(res[rule]):.0f}% ({rule}) | "
                      f"{pct(res[best]):.0f}% ({best}) |")
     for k, v in ratios.items():
+        if not v:
+            continue
         lines.append(f"\n{k}: mean {100 * sum(v) / len(v):.1f}% of the best config's bandwidth, worst {100 * min(v):.1f}%")
     text = "\n".join(lines)
     print(text)

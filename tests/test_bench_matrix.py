@@ -23,6 +23,8 @@ def test_matrix_covers_the_issue_s_shape_ranges():
         fit = TOKENIZER_FIT.get(n)
         ids = 151851 if fit is None else fit["num_ranks"] + len(fit["specials"])
         assert ids <= c["vocab_size"], n
+        if fit is not None:  # the shape's EOS is the cut tokenizer's <|im_end|> (what a text job stops on)
+            assert fit["num_ranks"] + fit["specials"].index("<|im_end|>") == c["eos_token_id"], n
         assert c["num_attention_heads"] % c["num_key_value_heads"] == 0
 
 

@@ -45,8 +45,9 @@ def paged(seq_lens, num_kv_heads, head_dim, block_size, seed=0):
     return k_cache, v_cache, tables
 
 
+@pytest.mark.parametrize("work", ["sequence", "balanced"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (14, 2, 64)])
-def test_decode_attention_gpu(num_heads, num_kv_heads, head_dim):
+def test_decode_attention_gpu(num_heads, num_kv_heads, head_dim, work):
     from batchinfer.kernels import reference
     from batchinfer.kernels.decode_attention import paged_decode_attention
 
@@ -55,14 +56,15 @@ def test_decode_attention_gpu(num_heads, num_kv_heads, head_dim):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     q = torch.randn(len(seq_lens), num_heads, head_dim, device="cuda", dtype=DT)
     scale = head_dim**-0.5
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, work=work)
     bf16_close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
     kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * k_cache.element_size()
-    bench(f"decode B={len(seq_lens)} H={num_heads}/{num_kv_heads} D={head_dim}",
-          lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale), kv_bytes)
+    bench(f"decode ({work}) B={len(seq_lens)} H={num_heads}/{num_kv_heads} D={head_dim}",
+          lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, work=work), kv_bytes)
 
 
-def test_decode_attention_cuda_graph_replay():
+@pytest.mark.parametrize("work", ["sequence", "balanced"])
+def test_decode_attention_cuda_graph_replay(work):
     """Captured once, replayed with new lengths and block tables written into the same buffers."""
     from batchinfer.kernels import reference
     from batchinfer.kernels.decode_attention import paged_decode_attention
@@ -71,11 +73,11 @@ def test_decode_attention_cuda_graph_replay():
     lens = torch.full((16,), 100, dtype=torch.int32, device="cuda")
     q = torch.randn(16, 32, 128, device="cuda", dtype=DT)
     out = torch.empty_like(q)
-    paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, out=out)  # compile outside capture
+    paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, out=out, work=work)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, out=out)
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, out=out, work=work)
     for new_lens in ([512] * 16, [1, 2, 3, 4] * 4, [0] * 8 + [300] * 8):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         q.copy_(torch.randn_like(q))

@@ -147,21 +147,26 @@ def matrix(
             typer.echo(f"error: --workloads: unknown workload {w!r}; choose from {', '.join(WORKLOADS)}", err=True)
             raise typer.Exit(2)
     overrides = {k: v for k, v in dict(max_num_seqs=max_num_seqs, attention_backend=attention_backend).items() if v is not None}
+
+    def save(result: dict) -> None:  # after every row: a run cut short keeps what it measured
+        if json_out is not None:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(result, indent=2) + "\n")
+        if markdown_out is not None:
+            markdown_out.parent.mkdir(parents=True, exist_ok=True)
+            markdown_out.write_text(format_markdown(result))
+
     try:
-        result = run_matrix(names, wls, scale=scale, count_scale=count_scale, engine_overrides=overrides, log=typer.echo)
+        result = run_matrix(names, wls, scale=scale, count_scale=count_scale, engine_overrides=overrides, log=typer.echo,
+                            on_row=save)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    table = format_markdown(result)
-    typer.echo(table)
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
-        typer.echo(f"numbers written to {json_out}")
-    if markdown_out is not None:
-        markdown_out.parent.mkdir(parents=True, exist_ok=True)
-        markdown_out.write_text(table)
-        typer.echo(f"table written to {markdown_out}")
+    save(result)
+    typer.echo(format_markdown(result))
+    for path, what in ((json_out, "numbers"), (markdown_out, "table")):
+        if path is not None:
+            typer.echo(f"{what} written to {path}")
 
 
 @bench_app.command("cpu")

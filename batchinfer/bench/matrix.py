@@ -59,12 +59,23 @@ def run_matrix(
     engine_overrides: dict | None = None,
     cache_dir: Path | None = None,
     log=print,
+    on_row=None,
 ) -> dict:
-    """Every workload on every shape; returns {"ceilings", "scale", "count_scale", "rows", "wall_s"}."""
+    """Every workload on every shape; returns {"device", "ceilings", "scale", "count_scale", "rows", "wall_s"}.
+    on_row(result so far) after every row: a run cut short keeps what it measured."""
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ceilings = measure_ceilings(device)
-    rows = []
+    rows: list[dict] = []
+
+    def result() -> dict:
+        return {
+            "device": ceilings.device,
+            "ceilings": {"copy_GBps": ceilings.copy_bytes_per_s / 1e9, "matmul_TFLOPs": ceilings.matmul_flops_per_s / 1e12},
+            "scale": scale, "count_scale": count_scale, "engine_overrides": engine_overrides or {},
+            "rows": rows, "wall_s": time.perf_counter() - t_start,
+        }
+
     for shape in shapes:
         cfg = bench_engine_config(shape, engine_overrides, cache_dir)
         t_load = time.perf_counter()
@@ -75,18 +86,15 @@ def run_matrix(
                 report = measure_workload(bench, shape, workload, ceilings, scale=scale, count_scale=count_scale, load_s=load_s)
                 rows.append(matrix_row(shape, report))
                 log(format_row(rows[-1]))
+                if on_row is not None:
+                    on_row(result())
         finally:
             bench.close()
             del bench
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return {
-        "device": ceilings.device,
-        "ceilings": {"copy_GBps": ceilings.copy_bytes_per_s / 1e9, "matmul_TFLOPs": ceilings.matmul_flops_per_s / 1e12},
-        "scale": scale, "count_scale": count_scale, "engine_overrides": engine_overrides or {},
-        "rows": rows, "wall_s": time.perf_counter() - t_start,
-    }
+    return result()
 
 
 def _kind_cell(row: dict, kind: str) -> str:

@@ -55,6 +55,8 @@ from batchinfer.engine.finish import append_token, make_result
 from batchinfer.engine.request import Result
 from batchinfer.engine.sequence import Sequence, SequenceStatus
 
+_NO_BANS: list[int] = []  # shared by every row with no banned token (the sampler only reads it)
+
 SpeculativeMethod = Literal["ngram", "grammar", "ngram+grammar"]
 METHODS = ("ngram", "grammar", "ngram+grammar")
 
@@ -312,10 +314,12 @@ class Speculator:
         bans: list[list[int]] = []
         for seq, width in zip(sampling, widths):
             g = seq.num_generated - seq.num_draft
-            for j in range(width):
-                rows_seq.append(seq)
-                steps.append(g + j)
-                bans.append(engine._bans_at(seq, g + j))
+            rows_seq += [seq] * width
+            steps += range(g, g + width)
+            if g >= seq.request.sampling.min_tokens:  # past min_tokens at every position: nothing banned
+                bans += [_NO_BANS] * width
+            else:
+                bans += [engine._bans_at(seq, g + j) for j in range(width)]
         bitmask = self._bitmask(sampling, widths, plans)
         engine._phase("grammar_mask")
         tokens: list[int] = []

@@ -90,6 +90,8 @@ class _Added:
 class FastTokenizer:
     """A Hugging Face fast tokenizer's used subset, from a model folder (see the module docstring)."""
 
+    is_fast = True  # backed by the Rust tokenizer, as transformers' fast tokenizers are
+
     def __init__(self, folder: str | Path) -> None:
         from tokenizers import Tokenizer
 

@@ -73,14 +73,30 @@ def test_cli_passes_engine_options_and_writes_json(tiny_model, tmp_path):
     try:
         res = CliRunner().invoke(app, ["bench", "throughput", "--workload", "nano256", "--model", str(tiny_model),
                                        "--scale", "0.02", "--grammar-backend", "xgrammar", "--torch-threads", "1", "--grammar-threads", "3",
-                                       "--out", str(out)])
+                                       "--set", "prefill_policy=slack", "--set", "slack_tolerance=1", "--out", str(out)])
     finally:
         torch.set_num_threads(before)
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert r["engine"]["grammar_backend"] == "xgrammar" and r["engine"]["torch_threads"] == 1
     assert r["engine"]["grammar_threads"] == 3
-    assert "of the roofline" in res.output
+    assert r["engine"]["prefill_policy"] == "slack" and r["engine"]["slack_tolerance"] == 1.0
+    assert "of the roofline" in res.output and "prefill policy slack: held prefill back in" in res.output
+    assert r["prefill_limited_steps"] >= 0
+
+
+def test_cli_set_rejects_unknown_fields_and_wrong_types(tmp_path):
+    from typer.testing import CliRunner
+
+    from batchinfer.bench.cli import engine_sets
+    from batchinfer.cli import app
+
+    assert engine_sets(["prefill_policy=slack", "slack_max_idle_slots=4", "slack_tolerance=0"]) == {
+        "prefill_policy": "slack", "slack_max_idle_slots": 4, "slack_tolerance": 0.0}
+    for bad, msg in (("prefil_policy=slack", "not an EngineConfig field"), ("max_num_seqs=many", "expected int"),
+                     ("cuda_graphs=3", "expected bool")):
+        res = CliRunner().invoke(app, ["bench", "throughput", "--model", "qwen3-0.6b", "--set", bad, "--out", str(tmp_path / "x.json")])
+        assert res.exit_code == 2 and msg in res.output, res.output
 
 
 def test_oracle_speculation_reports_acceptance(tiny_model, tmp_path):

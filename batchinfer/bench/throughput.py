@@ -319,6 +319,8 @@ def measure_workload(
                    for k, f in floors.items()},
         "steps": len(steps),
         "decode_steps": len(decode_steps),
+        "prefill_policy": cfg.prefill_policy,
+        "prefill_limited_steps": sum(1 for s in steps if getattr(s, "prefill_limited", False)),
         "cpu_schedule_ms_mean": statistics.fmean(cpu_ms) if cpu_ms else None,
         "step_ms_mean": statistics.fmean(step_ms) if step_ms else None,
         "cpu_share_of_step": (sum(cpu_ms) / sum(step_ms)) if cpu_ms and step_ms and sum(step_ms) > 0 else None,
@@ -450,6 +452,8 @@ def format_report(r: dict) -> str:
             fl = r["floors"][key]
             lines.append(f"  vs {label}: {fl['floor_s']:.2f} s ({fl['bound']}-bound) = {fl['output_tokens_per_s']:,.0f} output tok/s; "
                          f"achieved {100 * fl['fraction']:.1f}%")
+    if r.get("prefill_policy", "budget") != "budget":
+        lines.append(f"prefill policy {r['prefill_policy']}: held prefill back in {r['prefill_limited_steps']:,} of {r['steps']:,} steps")
     if r.get("cpu_share_of_step") is not None:
         lines.append(
             f"steps {r['steps']} (decode-only {r['decode_steps']}), mean step {r['step_ms_mean']:.2f} ms, "

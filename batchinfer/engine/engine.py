@@ -444,6 +444,7 @@ class Engine:
             host_ms=host_ms,
             wait_ms=wait_ms,
             phases_ms=self._phases,
+            prefill_limited=step.prefill_limited,
             **(spec_fields(self._spec_counts) if self._spec_counts is not None else {}),
         )
         self._spec_counts = None

@@ -37,6 +37,15 @@ def test_step_breakdown_groups_and_floors():
     # prefill: compute 100*100/1e7 = 1 ms < memory (1000 + 40*10)/1e6 = 1.4 ms
     assert groups["prefill/mixed"]["mean_floor_ms"] == pytest.approx(1.4)
     assert sum(g["share"] for g in groups.values()) == pytest.approx(1.0)
+    assert big["mean_model_ms"] is None
+    # with the step cost model: GEMMs max(1000 B / 1e6, T x 100 / 1e7) + LM head + decode attention
+    from batchinfer.engine.step_cost import StepCost
+
+    cost = StepCost(layer_flops_per_token=100.0, lm_head_flops_per_row=50.0, attn_flops_per_pair=0.0, weight_bytes=1000,
+                    kv_bytes_per_token=10, copy_bytes_per_s=1e6, matmul_flops_per_s=1e7, layer_flops_per_s=1e7)
+    modeled = {g["group"]: g for g in step_breakdown(steps, **kw, step_cost=cost)}
+    # step 2: max(1 ms, 2 ms + 1 ms) + 200 KV tokens x 10 B / 1e6 = 5 ms; step 3: max(1, 2.5 + 1.25) + 2.4 = 6.15 ms
+    assert modeled["decode 193+ rows"]["mean_model_ms"] == pytest.approx((5.0 + 6.15) / 2)
 
 
 def test_compiled_variants_counts_every_kernel_and_reports_only_growth():

@@ -192,6 +192,7 @@ class PolicySim(Sim):
         ctx = sum(q.num_tokens for q in decoding)
         first_ctx = prefilling[0].num_computed_tokens if prefilling else 0
         was_running = {id(q) for q in s.running}
+        could_admit = bool(s.waiting) and len(live) < s.config.max_num_seqs
         step = inner()
         for q in step.seqs:
             if id(q) not in was_running:
@@ -199,6 +200,7 @@ class PolicySim(Sim):
         if step.prefill_limited:
             self.limited_steps += 1
             assert d > 0, "prefill held back with nothing decoding"
+            assert prefilling or could_admit, "a step with no prefill to run counted as held back"
             waits = [self.calls - self.admitted[id(q)] for q in prefilling]
             assert max(waits, default=0) <= self.max_wait, "a prefill waited past the bound"
             budget = s.config.max_num_batched_tokens - d

@@ -117,7 +117,9 @@ class Scheduler:
         self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         view = self._view(budget)
-        prefill_budget = self.policy.prefill_tokens(view) if view.budget else 0
+        # the policy is asked only when some prefill could run (a prefilling sequence, or a free slot
+        # and a sequence waiting for it)
+        prefill_budget = self.policy.prefill_tokens(view) if view.budget and view.idle_slots else view.budget
         step.prefill_limited = prefill_budget < view.budget
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.final_pending or step.total_tokens >= budget:

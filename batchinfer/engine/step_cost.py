@@ -87,19 +87,28 @@ class StepCost:
         """A step of `decode_rows` decode rows over `decode_context` context tokens in all, plus one
         prefill chunk of `prefill_tokens` after `prefill_context` computed tokens; `padded_tokens`:
         the token rows the GEMMs run over (a CUDA graph's size), default the step's own tokens."""
-        tokens = padded_tokens if padded_tokens is not None else decode_rows + prefill_tokens
-        sampled = decode_rows + (1 if prefill_tokens else 0)
+        chunks = [(prefill_tokens, prefill_context)] if prefill_tokens else []
+        return self.step_seconds(decode_rows, decode_context, chunks, padded_tokens)
+
+    def step_seconds(
+        self, decode_rows: int, decode_context: int, chunks: list[tuple[int, int]], padded_tokens: int | None = None,
+        sampled: int | None = None,
+    ) -> float:
+        """The same for a step of several prefill chunks, each (tokens, computed tokens before it);
+        sampled: rows that get logits (default: the decode rows and one per chunk)."""
+        tokens = padded_tokens if padded_tokens is not None else decode_rows + sum(p for p, _ in chunks)
+        sampled = decode_rows + len(chunks) if sampled is None else sampled
         compute = tokens * self.layer_flops_per_token / self.layer_flops_per_s
         compute += sampled * self.lm_head_flops_per_row / self.matmul_flops_per_s
         t = max(compute, self.weight_bytes / self.copy_bytes_per_s)
         if decode_rows:
             t += max(self.attn_flops_per_pair * decode_context / self.matmul_flops_per_s,
                      self.kv_bytes_per_token * decode_context / self.copy_bytes_per_s)
-        if prefill_tokens:
-            p, c = prefill_tokens, prefill_context
-            pairs = p * c + p * (p + 1) // 2  # causal: each query sees the context and the chunk before it
+        if chunks:  # one extend launch for all chunks: their tiles run side by side
+            pairs = sum(p * c + p * (p + 1) // 2 for p, c in chunks)  # causal: context + the chunk before
+            kv = sum(c + p for p, c in chunks)
             t += max(self.attn_flops_per_pair * pairs / self.matmul_flops_per_s,
-                     self.kv_bytes_per_token * (c + p) / self.copy_bytes_per_s)
+                     self.kv_bytes_per_token * kv / self.copy_bytes_per_s)
         return t
 
     def ridge_rows(self) -> int:

@@ -268,8 +268,8 @@ def test_slack_policy_holds_prefill_back_somewhere_in_the_simulation():
 def test_engine_config_prefill_policy_fields():
     assert EngineConfig(model="m").prefill_policy == "budget"
     assert EngineConfig(model="m", prefill_policy="slack").prefill_policy == "slack"
-    for bad in (dict(prefill_policy="greedy"), dict(slack_tolerance=-0.1), dict(slack_max_wait_steps=-1),
-                dict(slack_max_idle_slots=-2)):
+    for bad in ({"prefill_policy": "greedy"}, {"slack_tolerance": -0.1}, {"slack_max_wait_steps": -1},
+                {"slack_max_idle_slots": -2}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(model="m", **bad)
     with pytest.raises(ValueError, match="budget, slack"):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Protocol
 
 from batchinfer.engine.step_cost import StepCost
 
@@ -62,6 +63,14 @@ class StepView:
     prefill_context: int
     idle_slots: int
     oldest_wait: int
+
+
+class PrefillPolicy(Protocol):
+    """The interface the scheduler calls: the step's prefill allowance, 0..view.budget."""
+
+    name: str
+
+    def prefill_tokens(self, view: StepView) -> int: ...
 
 
 class BudgetPolicy:
@@ -134,7 +143,8 @@ class SlackPolicy:
 def make_prefill_policy(
     name: str, cost: StepCost | None = None, *, tolerance: float = 0.05, max_wait_steps: int = 32,
     max_idle_slots: int = 1, graph_sizes: tuple[int, ...] | None = None,
-) -> BudgetPolicy | SlackPolicy:
+) -> PrefillPolicy:
+    """The policy called `name` (POLICIES); slack needs the step cost model."""
     if name == "budget":
         return BudgetPolicy()
     if name == "slack":

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchinfer.engine.kv_cache import BlockAllocator, hash_block
-from batchinfer.engine.prefill_policy import BudgetPolicy, SlackPolicy, StepView
+from batchinfer.engine.prefill_policy import BudgetPolicy, PrefillPolicy, StepView
 from batchinfer.engine.sequence import Sequence, SequenceStatus
 
 
@@ -61,7 +61,7 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, allocator: BlockAllocator, policy: BudgetPolicy | SlackPolicy | None = None
+        self, config: SchedulerConfig, allocator: BlockAllocator, policy: PrefillPolicy | None = None
     ) -> None:
         self.config = config
         self.policy = policy or BudgetPolicy()

@@ -63,7 +63,7 @@ class StepCost:
     layer_flops_per_s: float  # the projections' rate (FP8's with FP8 weights)
 
     @classmethod
-    def for_model(cls, info, ceilings: Ceilings, kv_dtype_bytes: int) -> "StepCost":
+    def for_model(cls, info, ceilings: Ceilings, kv_dtype_bytes: int) -> StepCost:
         """From a models.loader.ModelInfo, the device's ceilings and the KV cache's bytes an element."""
         fp8 = info.quantization == "fp8"
         rate = ceilings.matmul_flops_per_s

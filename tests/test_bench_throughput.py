@@ -37,6 +37,15 @@ def test_step_breakdown_groups_and_floors():
     # prefill: compute 100*100/1e7 = 1 ms < memory (1000 + 40*10)/1e6 = 1.4 ms
     assert groups["prefill/mixed"]["mean_floor_ms"] == pytest.approx(1.4)
     assert sum(g["share"] for g in groups.values()) == pytest.approx(1.0)
+    assert big["mean_model_ms"] is None
+    # with the step cost model: GEMMs max(1000 B / 1e6, T x 100 / 1e7) + LM head + decode attention
+    from batchinfer.engine.step_cost import StepCost
+
+    cost = StepCost(layer_flops_per_token=100.0, lm_head_flops_per_row=50.0, attn_flops_per_pair=0.0, weight_bytes=1000,
+                    kv_bytes_per_token=10, copy_bytes_per_s=1e6, matmul_flops_per_s=1e7, layer_flops_per_s=1e7)
+    modeled = {g["group"]: g for g in step_breakdown(steps, **kw, step_cost=cost)}
+    # step 2: max(1 ms, 2 ms + 1 ms) + 200 KV tokens x 10 B / 1e6 = 5 ms; step 3: max(1, 2.5 + 1.25) + 2.4 = 6.15 ms
+    assert modeled["decode 193+ rows"]["mean_model_ms"] == pytest.approx((5.0 + 6.15) / 2)
 
 
 def test_compiled_variants_counts_every_kernel_and_reports_only_growth():
@@ -73,14 +82,30 @@ def test_cli_passes_engine_options_and_writes_json(tiny_model, tmp_path):
     try:
         res = CliRunner().invoke(app, ["bench", "throughput", "--workload", "nano256", "--model", str(tiny_model),
                                        "--scale", "0.02", "--grammar-backend", "xgrammar", "--torch-threads", "1", "--grammar-threads", "3",
-                                       "--out", str(out)])
+                                       "--set", "prefill_policy=slack", "--set", "slack_tolerance=1", "--out", str(out)])
     finally:
         torch.set_num_threads(before)
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert r["engine"]["grammar_backend"] == "xgrammar" and r["engine"]["torch_threads"] == 1
     assert r["engine"]["grammar_threads"] == 3
-    assert "of the roofline" in res.output
+    assert r["engine"]["prefill_policy"] == "slack" and r["engine"]["slack_tolerance"] == 1.0
+    assert "of the roofline" in res.output and "prefill policy slack: held prefill back in" in res.output
+    assert r["prefill_limited_steps"] >= 0
+
+
+def test_cli_set_rejects_unknown_fields_and_wrong_types(tmp_path):
+    from typer.testing import CliRunner
+
+    from batchinfer.bench.cli import engine_sets
+    from batchinfer.cli import app
+
+    assert engine_sets(["prefill_policy=slack", "slack_max_idle_slots=4", "slack_tolerance=0"]) == {
+        "prefill_policy": "slack", "slack_max_idle_slots": 4, "slack_tolerance": 0.0}
+    for bad, msg in (("prefil_policy=slack", "not an EngineConfig field"), ("max_num_seqs=many", "expected int"),
+                     ("cuda_graphs=3", "expected bool")):
+        res = CliRunner().invoke(app, ["bench", "throughput", "--model", "qwen3-0.6b", "--set", bad, "--out", str(tmp_path / "x.json")])
+        assert res.exit_code == 2 and msg in res.output, res.output
 
 
 def test_oracle_speculation_reports_acceptance(tiny_model, tmp_path):

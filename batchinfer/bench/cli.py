@@ -70,6 +70,9 @@ def throughput(
     ),
     spec_tokens: int = typer.Option(4, "--spec-tokens", help="Most draft tokens per sequence and step."),
     oracle_corrupt: float = typer.Option(0.0, "--oracle-corrupt", help="With --speculative oracle: share of draft tokens corrupted."),
+    set_: Optional[list[str]] = typer.Option(
+        None, "--set", help="Set an EngineConfig field (field=value, YAML value), e.g. prefill_policy=slack; repeatable."
+    ),
 ) -> None:
     """Run a named workload; print throughput next to the workload's roofline floor on this device."""
     import logging
@@ -102,6 +105,7 @@ def throughput(
         if v is not None
     }
     try:
+        overrides.update(engine_sets(set_ or ()))
         if speculative is not None and data_parallel not in (None, 1):
             raise ValueError("--speculative runs with one engine (no --data-parallel)")
         result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir,
@@ -167,6 +171,28 @@ def matrix(
     for path, what in ((json_out, "numbers"), (markdown_out, "table")):
         if path is not None:
             typer.echo(f"{what} written to {path}")
+
+
+def engine_sets(assignments) -> dict:
+    """`--set field=value` of bench throughput: EngineConfig fields (values parsed as YAML)."""
+    import dataclasses
+
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.job.spec import parse_set
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    out = {}
+    for keys, value in parse_set(list(assignments)):
+        key = ".".join(keys)
+        if key not in defaults:
+            raise ValueError(f"--set {key}: not an EngineConfig field (one of {', '.join(sorted(defaults))})")
+        kind = type(defaults[key])
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind in (bool, int, float, str) and type(value) is not kind:  # fields defaulting to None: as given
+            raise ValueError(f"--set {key}={value!r}: expected {kind.__name__}")
+        out[key] = value
+    return out
 
 
 @bench_app.command("cpu")

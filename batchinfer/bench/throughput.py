@@ -19,6 +19,7 @@ from batchinfer.bench.roofline import measure_ceilings, workload_floor
 from batchinfer.bench.shapes import SHAPES, write_shape
 from batchinfer.bench.workloads import make_workload
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.step_cost import StepCost
 from batchinfer.io.model_files import kv_bytes_per_token
 from batchinfer.models.loader import load_model_info
 
@@ -286,6 +287,7 @@ def measure_workload(
         copy_bytes_per_s=ceilings.copy_bytes_per_s,
         matmul_flops_per_s=ceilings.matmul_flops_per_s,
         layer_flops_per_s=fp8_rate if fp8 else None,
+        step_cost=StepCost.for_model(info, ceilings, kv_bytes),
     )
     cpu_ms = [getattr(s, "schedule_ms", None) for s in steps]
     step_ms = [getattr(s, "step_ms", None) for s in steps]
@@ -319,6 +321,8 @@ def measure_workload(
                    for k, f in floors.items()},
         "steps": len(steps),
         "decode_steps": len(decode_steps),
+        "prefill_policy": cfg.prefill_policy,
+        "prefill_limited_steps": sum(1 for s in steps if getattr(s, "prefill_limited", False)),
         "cpu_schedule_ms_mean": statistics.fmean(cpu_ms) if cpu_ms else None,
         "step_ms_mean": statistics.fmean(step_ms) if step_ms else None,
         "cpu_share_of_step": (sum(cpu_ms) / sum(step_ms)) if cpu_ms and step_ms and sum(step_ms) > 0 else None,
@@ -377,6 +381,7 @@ def step_breakdown(
     copy_bytes_per_s: float,
     matmul_flops_per_s: float,
     layer_flops_per_s: float | None = None,
+    step_cost=None,
 ) -> list[dict]:
     """Where the measured time went: steps grouped by kind (steps with prefill tokens; decode-only
     steps by their number of rows), each group's wall time against its own per-step floor.
@@ -385,6 +390,10 @@ def step_breakdown(
     and its tokens' layer FLOPs (at layer_flops_per_s: FP8's with FP8 weights) plus the LM head of its decode rows over the
     matrix rate; KV in use counts whole blocks, so it slightly
     overstates the bytes a step must read (the floor is a little generous, never too strict).
+
+    step_cost: an engine.step_cost.StepCost; each group then also gets `mean_model_ms`, what that
+    model (the prefill policy's: kernels one after another, each bound by its FLOPs or bytes) says
+    its steps take, with the KV in use as the decode rows' context and prefill chunks as new tokens.
     """
     groups: dict[str, dict] = {}
     for s in steps:
@@ -398,7 +407,7 @@ def step_breakdown(
             lo, hi = next(b for b in STEP_BUCKETS if b[0] <= seqs <= b[1])
             key = f"decode {lo}-{hi} rows" if hi < (1 << 30) else f"decode {lo}+ rows"
         g = groups.setdefault(key, {"steps": 0, "ms": 0.0, "max_ms": 0.0, "floor_ms": 0.0, "tokens": 0, "kv_tokens": 0,
-                                    "idle_ms": 0.0, "phases": {}})
+                                    "idle_ms": 0.0, "phases": {}, "model_ms": 0.0})
         kv_tokens = s.kv_blocks_used * block_size
         tokens = s.num_prefill_tokens + s.num_decode_tokens
         mem = (weight_bytes + kv_tokens * kv_bytes_per_token) / copy_bytes_per_s
@@ -410,6 +419,8 @@ def step_breakdown(
         for name, ms in getattr(s, "phases_ms", {}).items():
             g["phases"][name] = g["phases"].get(name, 0.0) + ms
         g["floor_ms"] += 1e3 * max(mem, comp)
+        if step_cost is not None:
+            g["model_ms"] += 1e3 * step_cost.seconds(rows, kv_tokens if rows else 0, s.num_prefill_tokens)
         g["tokens"] += tokens
         g["kv_tokens"] += kv_tokens
     total = sum(g["ms"] for g in groups.values()) or 1.0
@@ -422,6 +433,7 @@ def step_breakdown(
             "fraction_of_floor": g["floor_ms"] / g["ms"] if g["ms"] else None,
             "mean_tokens": g["tokens"] / n, "mean_kv_tokens": g["kv_tokens"] / n,
             "mean_device_idle_ms": g["idle_ms"] / n,
+            "mean_model_ms": g["model_ms"] / n if step_cost is not None else None,
             "mean_host_phases_ms": {k: v / n for k, v in g["phases"].items()},
         })
     return out
@@ -450,6 +462,8 @@ def format_report(r: dict) -> str:
             fl = r["floors"][key]
             lines.append(f"  vs {label}: {fl['floor_s']:.2f} s ({fl['bound']}-bound) = {fl['output_tokens_per_s']:,.0f} output tok/s; "
                          f"achieved {100 * fl['fraction']:.1f}%")
+    if r.get("prefill_policy", "budget") != "budget":
+        lines.append(f"prefill policy {r['prefill_policy']}: held prefill back in {r['prefill_limited_steps']:,} of {r['steps']:,} steps")
     if r.get("cpu_share_of_step") is not None:
         lines.append(
             f"steps {r['steps']} (decode-only {r['decode_steps']}), mean step {r['step_ms_mean']:.2f} ms, "
@@ -480,6 +494,7 @@ def format_report(r: dict) -> str:
             f"  {g['group']:>20}: {g['steps']:5d} steps, {g['time_s']:6.2f} s ({100 * g['share']:4.1f}%), "
             f"step {g['mean_step_ms']:7.2f} ms (max {g['max_step_ms']:7.2f}) vs floor {g['mean_floor_ms']:7.2f} ms "
             f"({100 * (g['fraction_of_floor'] or 0):4.1f}%), {g['mean_tokens']:6.0f} tokens, {g['mean_kv_tokens']:8.0f} KV tokens"
+            + (f", step cost model {g['mean_model_ms']:7.2f} ms" if g.get("mean_model_ms") is not None else "")
         )
     groups = r.get("step_breakdown") or []
     if groups:

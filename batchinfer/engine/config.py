@@ -52,6 +52,16 @@ class EngineConfig:
         GPU (the host only runs small ops there, and more threads fight the grammar libraries' pools
         for the cores: docs1000-json on an H200 ran at 6,668 output tok/s with torch's default of 16
         threads, 9,465 with 2, BENCHMARKS.md); unchanged on the CPU, where torch runs the model.
+    prefill_policy: how many prefill tokens a step takes (engine/prefill_policy.py): budget (all the
+        token budget the decodes leave) | slack (only what the decode step absorbs by the step cost
+        model, engine/step_cost.py, falling back to budget when nothing decodes, the batch is not
+        full, a prefill waits too long, or there is no slack).
+    slack_tolerance: with slack, how much longer than its decodes alone a step may get (0.05: 5%).
+    slack_max_wait_steps: with slack, a running sequence prefilling for more steps than this since
+        its admission makes the step take the whole budget.
+    slack_max_idle_slots: with slack, more slots than this that could decode but do not (free with
+        sequences waiting, or still prefilling) make the step take the whole budget; None:
+        max(1, max_num_seqs // 32).
     speculative: speculative decoding (engine/speculative.py SpeculativeConfig, or a dict of its
         fields, e.g. {"method": "ngram+grammar", "num_tokens": 4}); None: off. On, the loop runs
         serially (overlap is ignored).
@@ -80,6 +90,10 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "safetensors"
     torch_threads: int | None = None
+    prefill_policy: str = "budget"
+    slack_tolerance: float = 0.05
+    slack_max_wait_steps: int = 32
+    slack_max_idle_slots: int | None = None
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -112,5 +126,13 @@ class EngineConfig:
             raise ValueError("grammar_threads must be at least 1")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError("torch_threads must be at least 1")
+        if self.prefill_policy not in ("budget", "slack"):
+            raise ValueError(f"prefill_policy must be budget or slack, not {self.prefill_policy!r}")
+        if not self.slack_tolerance >= 0:
+            raise ValueError(f"slack_tolerance must be >= 0, not {self.slack_tolerance!r}")
+        if self.slack_max_wait_steps < 0:
+            raise ValueError(f"slack_max_wait_steps must be >= 0, not {self.slack_max_wait_steps}")
+        if self.slack_max_idle_slots is not None and self.slack_max_idle_slots < 0:
+            raise ValueError(f"slack_max_idle_slots must be >= 0, not {self.slack_max_idle_slots}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")

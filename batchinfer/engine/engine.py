@@ -65,11 +65,13 @@ from batchinfer.engine.finish import append_token, make_result
 from batchinfer.engine.grammar import GrammarState, StartedFill, Verdict
 from batchinfer.engine.kv_cache import BlockAllocator
 from batchinfer.engine.model_runner import ModelRunner, SampledTokens
+from batchinfer.engine.prefill_policy import make_prefill_policy
 from batchinfer.engine.request import Request, Result
 from batchinfer.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from batchinfer.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from batchinfer.engine.speculative import Drafter, SpecCounts, Speculator, spec_fields
 from batchinfer.engine.stats import StepStats
+from batchinfer.engine.step_cost import StepCost, device_ceilings
 from batchinfer.models.loader import load_tokenizer
 
 
@@ -133,7 +135,7 @@ class Engine:
             max_model_len=self.max_model_len,
             enable_prefix_sharing=config.enable_prefix_sharing,
         )
-        self.scheduler = Scheduler(sched_cfg, self.allocator)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, self._prefill_policy())
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
         self.last_step: StepStats | None = None
         self._rng = random.Random(config.seed)
@@ -157,6 +159,21 @@ class Engine:
             if config.speculative is not None else None
         )
         self._spec_counts: SpecCounts | None = None  # the current step's, when speculating
+
+    def _prefill_policy(self):
+        """The scheduler's prefill policy by EngineConfig.prefill_policy; slack gets the step cost
+        model of this model on this device and the mixed-step graph sizes, when those are captured."""
+        c = self.config
+        if c.prefill_policy == "budget":
+            return make_prefill_policy("budget")
+        runner = self.runner
+        name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else None
+        kv_bytes = 1 if c.kv_cache_dtype == "fp8_e4m3" else torch.finfo(self.model_info.dtype).bits // 8
+        cost = StepCost.for_model(self.model_info, device_ceilings(runner.device.type, name), kv_bytes)
+        sizes = runner.mixed_graphs.sizes if runner.mixed_graphs is not None else None
+        idle = c.slack_max_idle_slots if c.slack_max_idle_slots is not None else max(1, c.max_num_seqs // 32)
+        return make_prefill_policy("slack", cost, tolerance=c.slack_tolerance, max_wait_steps=c.slack_max_wait_steps,
+                                   max_idle_slots=idle, graph_sizes=sizes)
 
     # --- public API -------------------------------------------------------------------------
 
@@ -427,6 +444,7 @@ class Engine:
             host_ms=host_ms,
             wait_ms=wait_ms,
             phases_ms=self._phases,
+            prefill_limited=step.prefill_limited,
             **(spec_fields(self._spec_counts) if self._spec_counts is not None else {}),
         )
         self._spec_counts = None

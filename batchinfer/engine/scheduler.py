@@ -16,6 +16,9 @@ being prefilled right now by a running sequence waits (sequences behind it are a
 until those blocks are computed and published, then shares them: n answers prefill their prompt once.
 Blocks are only published after the step that computes them, so admitted together they would all
 compute it. A prompt that shares only part of its prefix (a common system prompt) is never held back.
+
+How many prefill tokens a step takes once its decodes are placed is the prefill policy's call
+(engine/prefill_policy.py, by name: `budget` all the budget left, `slack` what the decode step absorbs).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchinfer.engine.kv_cache import BlockAllocator, hash_block
+from batchinfer.engine.prefill_policy import BudgetPolicy, PrefillPolicy, StepView
 from batchinfer.engine.sequence import Sequence, SequenceStatus
 
 
@@ -48,6 +52,7 @@ class ScheduledStep:
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    prefill_limited: bool = False  # the prefill policy gave less than the budget left
 
     @property
     def total_tokens(self) -> int:
@@ -55,8 +60,12 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+    def __init__(
+        self, config: SchedulerConfig, allocator: BlockAllocator, policy: PrefillPolicy | None = None
+    ) -> None:
         self.config = config
+        self.policy = policy or BudgetPolicy()
+        self.num_steps = 0  # schedule() calls so far
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.waiting: deque[Sequence] = deque()
@@ -105,9 +114,13 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
+        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
-        num_decodes = sum(1 + s.num_draft for s in self.running if s.num_remaining == 1 + s.num_draft and not s.final_pending)
-        prefill_budget = max(0, budget - num_decodes)
+        view = self._view(budget)
+        # the policy is asked only when some prefill could run (a prefilling sequence, or a free slot
+        # and a sequence waiting for it)
+        prefill_budget = self.policy.prefill_tokens(view) if view.budget and view.idle_slots else view.budget
+        step.prefill_limited = prefill_budget < view.budget
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.final_pending or step.total_tokens >= budget:
                 continue
@@ -121,8 +134,35 @@ class Scheduler:
                 prefill_budget -= 0 if is_decode else n
                 self._add_to_step(step, seq, n)
         if not step.preempted:
-            self._admit(step, budget - step.total_tokens)
+            room = budget - step.total_tokens
+            self._admit(step, min(room, prefill_budget) if step.prefill_limited else room)
         return step
+
+    def _view(self, budget: int) -> StepView:
+        """The step as the prefill policy sees it before any prefill is placed (StepView)."""
+        decode_rows = decode_context = prefilling = active = 0
+        prefill_context, oldest = -1, self.num_steps
+        for s in self.running:
+            if s.final_pending:
+                continue
+            active += 1
+            if s.num_remaining == 1 + s.num_draft:
+                decode_rows += 1 + s.num_draft
+                decode_context += s.num_tokens
+            else:
+                prefilling += 1
+                oldest = min(oldest, s.admitted_step)
+                if prefill_context < 0:
+                    prefill_context = s.num_computed_tokens
+        free = max(0, self.config.max_num_seqs - active)
+        return StepView(
+            budget=max(0, budget - decode_rows),
+            decode_rows=decode_rows,
+            decode_context=decode_context,
+            prefill_context=max(0, prefill_context),
+            idle_slots=prefilling + min(free, len(self.waiting)),
+            oldest_wait=self.num_steps - oldest,
+        )
 
     def complete_step(self, step: ScheduledStep) -> None:
         """After the forward: advance computed counts and publish newly full blocks for sharing.
@@ -231,6 +271,7 @@ class Scheduler:
             seq.num_computed_tokens = len(shared) * self.block_size
             seq.num_registered_blocks = len(shared)
             seq.status = SequenceStatus.RUNNING
+            seq.admitted_step = self.num_steps
             self.running.append(seq)
             active += 1
             n = self._fit(seq, min(seq.num_remaining, budget), step)

@@ -52,6 +52,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_preemptions: int = 0
+    admitted_step: int = 0  # the scheduler's step count when it was last admitted (prefill policy)
     pending_row: int | None = None
     final_pending: bool = False
     # Speculative decoding (engine/speculative.py): the last num_draft tokens of token_ids are

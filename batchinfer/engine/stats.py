@@ -27,6 +27,7 @@ class StepStats:
     # read_tokens (blocked on the device), grammar_accept, post (detokenise, stops, finish),
     # grammar_mask (waiting for / filling the next masks), sample_launch
     phases_ms: dict[str, float] = field(default_factory=dict)
+    prefill_limited: bool = False  # the prefill policy (slack) held prefill back in this step
     # speculative decoding (engine/speculative.py; all 0 when off): draft tokens proposed, computed by
     # the step (after grammar cuts and the budget), and confirmed by the target; decoding sequences
     # that verified drafts, all decoding sequences of the step, and the tokens they emitted; of the

@@ -1,6 +1,8 @@
 """FP8 weights on a GPU (skipped without CUDA; the scaled_mm cases need compute capability >= 8.9).
 
 - the per-token quantisation kernel is bit-identical to the PyTorch reference on the GPU too;
+- the RMSNorm and SiLU-and-mul kernels with the quantisation fused in (their *_fp8 variants) are
+  bit-identical to the unfused chain (the 16-bit kernel, then the quantisation kernel) on the GPU;
 - Fp8Linear through torch._scaled_mm (row-wise scales) against the dequantised product of the same
   FP8 values: the same math up to accumulation order and the bf16 rounding of the output, so within
   1% (relative, Frobenius), and both within 5% of the unquantised bf16 product;
@@ -53,6 +55,28 @@ def test_quant_kernel_on_the_gpu():
         # boundary may then land on the neighbouring e4m3 value.
         assert torch.allclose(s, rs, rtol=3e-7, atol=0), (t, k)
         _assert_fp8_close(q, rq, share=0.01)  # measured on the H200: 0.3% of the values
+
+
+def test_fused_quant_kernels_equal_the_unfused_chain_on_the_gpu():
+    from batchinfer.kernels import activation, rmsnorm
+    from batchinfer.kernels.fp8_quant import quantize_fp8_tokens
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for t, n, d in ((1, 4096, 14336), (256, 1024, 3072), (300, 576, 1536)):
+        x = (torch.randn(t, n, device="cuda", generator=gen) * 3).bfloat16()
+        res = torch.randn(t, n, device="cuda", generator=gen).bfloat16()
+        w = (torch.rand(n, device="cuda", generator=gen) + 0.5).bfloat16()
+        (q, s), new_res = rmsnorm.fused_add_rms_norm_fp8(x, res, w, 1e-5)
+        normed, want_res = rmsnorm.fused_add_rms_norm(x, res, w, 1e-5)
+        wq, ws = quantize_fp8_tokens(normed)
+        assert torch.equal(new_res, want_res) and torch.equal(s, ws) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+        q, s = rmsnorm.rms_norm_fp8(x, w, 1e-6)
+        wq, ws = quantize_fp8_tokens(rmsnorm.rms_norm(x, w, 1e-6))
+        assert torch.equal(s, ws) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+        gu = (torch.randn(t, 2 * d, device="cuda", generator=gen) * 2).bfloat16()
+        q, s = activation.silu_and_mul_fp8(gu)
+        wq, ws = quantize_fp8_tokens(activation.silu_and_mul(gu))
+        assert torch.equal(s, ws) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8)), (t, d)
 
 
 @needs_scaled_mm

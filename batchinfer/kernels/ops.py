@@ -115,3 +115,30 @@ def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         return fn(x)
     return reference.quantize_fp8_tokens(x)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x [T, N]) as the input of an FP8 projection: (float8_e4m3fn [T, N], scale [T, 1] float32)."""
+    if use_triton(x):
+        from batchinfer.kernels.rmsnorm import rms_norm_fp8 as fn
+
+        return fn(x, weight, eps)
+    return reference.rms_norm_fp8(x, weight, eps)
+
+
+def fused_add_rms_norm_fp8(x, residual, weight, eps: float) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """((FP8 [T, N], scale [T, 1]) of rms_norm(x + residual), x + residual)."""
+    if use_triton(x):
+        from batchinfer.kernels.rmsnorm import fused_add_rms_norm_fp8 as fn
+
+        return fn(x, residual, weight, eps)
+    return reference.fused_add_rms_norm_fp8(x, residual, weight, eps)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul(x [T, 2d]) as the input of an FP8 projection: (float8_e4m3fn [T, d], scale [T, 1])."""
+    if use_triton(x):
+        from batchinfer.kernels.activation import silu_and_mul_fp8 as fn
+
+        return fn(x)
+    return reference.silu_and_mul_fp8(x)

@@ -190,3 +190,21 @@ def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations x [T, K] -> (float8_e4m3fn [T, K], scale [T, 1] float32): per-token quantize_fp8_rows."""
     q, scale = quantize_fp8_rows(x)
     return q, scale.unsqueeze(-1)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm then per-token FP8: (float8_e4m3fn [T, N], scale [T, 1] float32)."""
+    return quantize_fp8_tokens(rms_norm(x, weight, eps))
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """((FP8, scale) of rms_norm(x + residual), x + residual)."""
+    normed, new_residual = fused_add_rms_norm(x, residual, weight, eps)
+    return quantize_fp8_tokens(normed), new_residual
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul then per-token FP8: [T, 2d] -> (float8_e4m3fn [T, d], scale [T, 1] float32)."""
+    return quantize_fp8_tokens(silu_and_mul(x))

@@ -10,6 +10,13 @@ Triton kernels (batchinfer/kernels): one launch and one pass over memory each, i
 eager float32 ops the reference math takes. On the CPU the plain PyTorch math below is kept, so
 greedy float32 outputs stay identical to transformers.
 
+The norms and the activation that feed a projection write the input format that projection
+declares (models/linear.py `input_format`): in the model's dtype for a plain Linear, already
+quantised per token for an Fp8Linear (kernels/ops.py rms_norm_fp8, fused_add_rms_norm_fp8,
+silu_and_mul_fp8: on CUDA the quantisation is fused into the Triton kernel, so no separate
+quantisation kernel runs before the FP8 q/k/v, gate/up and down products). The blocks never ask
+which one they have: RMSNorm and MLP pick their output path from the consumer at construction.
+
 Parameters are created with torch.empty (no random init): the loader fills every one from the
 checkpoint and fails loudly on any it did not fill.
 """
@@ -23,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention.base import AttentionBackend, AttentionMetadata
+from batchinfer.kernels import ops
 from batchinfer.models.linear import Linear, linear_weight_bytes, make_linear
+from batchinfer.models.quant import Fp8Activation
 from batchinfer.models.rope import RopeConfig, RotaryEmbedding
 
 __all__ = ["Attention", "CausalLM", "DecoderLayer", "Linear", "MLP", "ModelConfig", "RMSNorm"]
@@ -95,12 +104,18 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in float32 (as the reference implementations do), with an optional fused residual add.
 
     forward(x) -> normed; forward(x, residual) -> (normed(x + residual), x + residual).
+    out_format: the input_format of the projection the output feeds (models/linear.py): "dtype"
+    returns the normed tensor, "fp8" an Fp8Activation of it (quantised in the same kernel).
     """
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, out_format: str = "dtype") -> None:
         super().__init__()
         self.weight = _param(size, dtype=dtype)
         self.eps = eps
+        outputs = {"dtype": self._forward_dtype, "fp8": self._forward_fp8}
+        if out_format not in outputs:
+            raise ValueError(f"RMSNorm out_format must be one of {', '.join(outputs)}, not {out_format!r}")
+        self._forward = outputs[out_format]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -108,9 +123,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda:
-            from batchinfer.kernels import ops
+        return self._forward(x, residual)
 
+    def _forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            return Fp8Activation(*ops.rms_norm_fp8(x, self.weight, self.eps), x.dtype)
+        (q, scale), residual = ops.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps)
+        return Fp8Activation(q, scale, x.dtype), residual
+
+    def _forward_dtype(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if x.is_cuda:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)
             return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -145,7 +167,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cfg = self.cfg
-        tokens = x.shape[0]
+        tokens = positions.shape[0]  # x may be an Fp8Activation (the qkv projection's input format)
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -173,14 +195,22 @@ class MLP(nn.Module):
         q = cfg.quantization
         self.gate_up_proj = make_linear(q, cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
         self.down_proj = make_linear(q, cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        # the activation written in the format down_proj takes (models/linear.py input_format)
+        self._act = {"dtype": self._act_dtype, "fp8": self._act_fp8}[self.down_proj.input_format]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from batchinfer.kernels import ops
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        return self.down_proj(self._act(self.gate_up_proj(x)))
 
-            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    @staticmethod
+    def _act_fp8(gate_up: torch.Tensor) -> Fp8Activation:
+        return Fp8Activation(*ops.silu_and_mul_fp8(gate_up), gate_up.dtype)
+
+    @staticmethod
+    def _act_dtype(gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.is_cuda:
+            return ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -188,10 +218,12 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, rotary, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        attn, mlp = Attention(cfg, rotary, backend, dtype), MLP(cfg, dtype)
+        # each norm writes the input format of the projection it feeds (models/linear.py input_format)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, attn.qkv_proj.input_format)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, mlp.gate_up_proj.input_format)
+        self.mlp = mlp
 
     def forward(self, positions, hidden, residual, k_cache, v_cache, meta):
         if residual is None:

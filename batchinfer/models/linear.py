@@ -2,7 +2,12 @@
 
 LINEARS maps `model.quantization` to the class: "none" a plain `Linear` in the model's dtype, "fp8"
 an `Fp8Linear` (FP8 weights with per-output-channel scales, models/quant.py). Embeddings and the
-LM head are never quantised. Both classes are filled by the loader (models/loader.py): a plain
+LM head are never quantised.
+
+`input_format` says what a projection takes, and is the one place the activation path is chosen:
+"dtype" (the model's dtype) for Linear, "fp8" for Fp8Linear, which takes an Fp8Activation that the
+kernel producing it already quantised per token (models/layers.py: the RMSNorm before q/k/v and
+gate/up, the SiLU-and-mul before down; a plain tensor, the o projection's input, is quantised here). Both classes are filled by the loader (models/loader.py): a plain
 weight is copied; an FP8 weight is quantised from a float checkpoint's tensor, row range by row
 range (the scales are per row, so quantising q, k and v apart equals quantising the fused matrix),
 or copied as it is from an FP8 checkpoint together with its `weight_scale` (per tensor: broadcast
@@ -15,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.models.quant import FP8_DTYPE, FP8_MATMULS, fp8_matmul_for, quantize_rows
+from batchinfer.models.quant import FP8_DTYPE, FP8_MATMULS, Fp8Activation, fp8_matmul_for, quantize_rows
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -24,6 +29,8 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 class Linear(nn.Module):
     """y = x W^T (+ b), with W allocated but not initialised (the loader fills it)."""
+
+    input_format = "dtype"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -51,6 +58,8 @@ class Fp8Linear(nn.Module):
     widening FP8 costs ~10 ns an element there, about a second a forward even for SmolLM2-135M.
     """
 
+    input_format = "fp8"
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, matmul: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
@@ -62,10 +71,12 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"FP8 matmul must be one of {', '.join(FP8_MATMULS)}, not {self.matmul!r}")
         self._float_weight: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if not isinstance(x, Fp8Activation):
+            x = Fp8Activation.of(x)
         w_float = None
         if self.matmul == "dequant" and not self.weight.is_cuda:
-            if self._float_weight is None:
+            if self._float_weight is None or self._float_weight.dtype != x.dtype:
                 self._float_weight = self.weight.to(x.dtype)
             w_float = self._float_weight
         return FP8_MATMULS[self.matmul](x, self.weight, self.weight_scale, self.bias, w_float)

@@ -25,6 +25,7 @@ scales) and refuses every other one with a message naming the field.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -54,21 +55,39 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ops.quantize_fp8_tokens(x)
 
 
+@dataclass(frozen=True)
+class Fp8Activation:
+    """An activation already quantised per token, the input of an FP8 projection (Fp8Linear).
+
+    The kernel that produces the activation writes it so (the RMSNorm before q/k/v and gate/up,
+    the SiLU-and-mul before down: kernels/ops.py *_fp8), instead of writing it in the model's dtype
+    for the projection to read and quantise again. `dtype`: the model's dtype, the product's output."""
+
+    q: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T, 1] float32
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "Fp8Activation":
+        """Quantise an activation in the model's dtype (quantize_tokens)."""
+        q, scale = quantize_tokens(x)
+        return cls(q, scale, x.dtype)
+
+
 # --- the matrix products -----------------------------------------------------------------------
 
-# (x [T, K] in the model's dtype, w_fp8 [N, K], w_scale [N] float32, bias [N] | None, w_float [N, K] | None)
-# -> y [T, N] in x's dtype. w_float: the FP8 values already widened to x's dtype (the dequant
-# backend's cache on the CPU), or None.
-Fp8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
+# (x: the activation quantised per token, w_fp8 [N, K], w_scale [N] float32, bias [N] | None,
+# w_float [N, K] | None) -> y [T, N] in x.dtype. w_float: the FP8 values already widened to x's
+# dtype (the dequant backend's cache on the CPU), or None.
+Fp8Matmul = Callable[[Fp8Activation, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
 
 
 def _scaled_mm_with(fast_accum: bool) -> Fp8Matmul:
-    def run(x, w_fp8, w_scale, bias, w_float=None):
-        xq, x_scale = quantize_tokens(x)
+    def run(x: Fp8Activation, w_fp8, w_scale, bias, w_float=None):
         # _scaled_mm wants mat2 column-major: w_fp8 is row-major [N, K], so its transpose [K, N] is.
         # The bias is added after, in x's dtype, as the dequant backend adds it.
         y = torch._scaled_mm(
-            xq, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=x.dtype, use_fast_accum=fast_accum
+            x.q, w_fp8.t(), scale_a=x.scale, scale_b=w_scale.view(1, -1), out_dtype=x.dtype, use_fast_accum=fast_accum
         )
         y = y[0] if isinstance(y, tuple) else y  # torch < 2.5 returned (out, amax)
         return y + bias if bias is not None else y
@@ -76,11 +95,10 @@ def _scaled_mm_with(fast_accum: bool) -> Fp8Matmul:
     return run
 
 
-def _dequant(x, w_fp8, w_scale, bias, w_float=None):
-    xq, x_scale = quantize_tokens(x)
+def _dequant(x: Fp8Activation, w_fp8, w_scale, bias, w_float=None):
     w = w_float if w_float is not None else w_fp8.to(x.dtype)
-    y = torch.nn.functional.linear(xq.to(x.dtype), w)
-    y = (y.float() * x_scale * w_scale.view(1, -1)).to(x.dtype)
+    y = torch.nn.functional.linear(x.q.to(x.dtype), w)
+    y = (y.float() * x.scale * w_scale.view(1, -1)).to(x.dtype)
     return y + bias if bias is not None else y
 
 

@@ -2,8 +2,12 @@
 (query heads, KV heads, head_dim) and batch size, every launch config's effective KV bandwidth,
 against the measured copy bandwidth. The data behind kernels/decode_attention.launch_config.
 
-Contexts uniform in [100, 2048] tokens, 16-token blocks in shuffled order, bf16.
-Usage (device tool): python3 scripts/decode_shape_sweep.py [--json out.json] [--batches 256,64,16,1]
+Contexts uniform in [100, 2048] tokens, 16-token blocks in shuffled order, bf16; or with --kv fp8 an
+FP8 e4m3 cache (values stored x / scale and read back times it, as engine.kv_cache_dtype fp8_e4m3
+does; bandwidth counts its 1-byte elements), by default over qwen3-0.6b and llama-3.1-8b, the
+configs of FP8_CONFIGS at the rule's split count and its neighbours: under 2 minutes on the H200.
+Its last line prints the kernels/decode_launch.py KV_TILES[1] entry to set (grid mode).
+Usage (device tool): python3 scripts/decode_shape_sweep.py [--kv bf16|fp8] [--json out.json] [--batches 256,64,16,1]
   --mode grid (default): every (splits, block_n, warps, stages) of the "sequence" work split.
   --mode rule: per shape x batch, the old launch (query-head rows), the shape rule
     (kernels/decode_launch.py), the "balanced" work split at 1-8 programs per SM and both tiles,
@@ -105,6 +109,38 @@ def report(path: str, markdown: str | None) -> None:
             f.write(text + "\n")
 
 
+# --kv fp8: (block_n, warps, stages); the current rule's tiles, deeper pipelines and wider tiles
+FP8_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
+               (256, 4, 2), (256, 8, 2)]
+FP8_SHAPES = ["qwen3-0.6b", "llama-3.1-8b"]
+KV_SCALE = 0.05  # |randn| <= ~5 stored as <= ~100: inside e4m3's range, away from its subnormals
+
+
+def recommend_kv_tiles(rows: list[dict], kv_bytes: int) -> tuple[int, int, int] | None:
+    """The (tile elements, warps, stages) with the best geometric-mean time over the rows (each at
+    the rule's split count), printed as the KV_TILES entry to set."""
+    import math
+
+    from batchinfer.kernels.decode_launch import KV_TILES
+
+    scores = {}
+    for key in {(bn * r["d"], w, st) for r in rows for bn, w, st in FP8_CONFIGS}:
+        logs = []
+        for r in rows:
+            t = r["results"].get("/".join(map(str, (r["splits"], key[0] // r["d"], key[1], key[2]))))
+            if t is None:
+                break
+            logs.append(math.log(t / r["default_s"]))
+        else:
+            scores[key] = math.exp(sum(logs) / len(logs))
+    if not scores:
+        return None
+    best = min(scores, key=scores.get)
+    print(f"recommend KV_TILES[{kv_bytes}] = {best}  # {1 / scores[best]:.3f}x the current {KV_TILES[kv_bytes]} "
+          f"(geometric mean over {', '.join(sorted({r['shape'] for r in rows}))} x batches)")
+    return best
+
+
 def main() -> None:
     args = sys.argv[1:]
     if "--report" in args:
@@ -119,6 +155,11 @@ def main() -> None:
     from bench_decode_kernels import graph_time
 
     mode = args[args.index("--mode") + 1] if "--mode" in args else "grid"
+    kv = args[args.index("--kv") + 1] if "--kv" in args else "bf16"
+    if kv not in ("bf16", "fp8"):
+        raise SystemExit(f"--kv must be bf16 or fp8, not {kv!r}")
+    fp8 = kv == "fp8"
+    kv_el, scale = (1, KV_SCALE) if fp8 else (2, 1.0)
     out_json = args[args.index("--json") + 1] if "--json" in args else None
     batches = [int(b) for b in (args[args.index("--batches") + 1] if "--batches" in args else "256,64,8").split(",")]
     dev = torch.device("cuda")
@@ -127,9 +168,9 @@ def main() -> None:
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
     gen = torch.Generator().manual_seed(0)
     block, max_ctx = 16, 2048
-    configs = [(32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)]
+    configs = FP8_CONFIGS if fp8 else [(32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3)]
     rows = []
-    only = args[args.index("--shapes") + 1].split(",") if "--shapes" in args else None
+    only = args[args.index("--shapes") + 1].split(",") if "--shapes" in args else (FP8_SHAPES if fp8 else None)
     for name, hq, hkv, d in MATRIX:
         if only and name not in only:
             continue
@@ -137,6 +178,8 @@ def main() -> None:
         num_blocks = max_b * max_ctx // block
         k_cache = torch.randn(num_blocks, block, hkv, d, device=dev, dtype=torch.bfloat16)
         v_cache = torch.randn_like(k_cache)
+        if fp8:
+            k_cache, v_cache = ((c.float() / scale).to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
         tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(max_b, max_ctx // block).to(dev)
         lens_all = torch.randint(100, max_ctx + 1, (max_b,), generator=gen, dtype=torch.int32)
         print(f"\n== {name}: {hq} q / {hkv} kv heads (group {hq // hkv}), d {d}")
@@ -144,19 +187,22 @@ def main() -> None:
             lens = lens_all[:b].to(dev)
             q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
             out = torch.empty_like(q)
-            kv_bytes = int(lens.sum()) * hkv * d * 2 * 2
+            kv_bytes = int(lens.sum()) * hkv * d * 2 * kv_el
+            rule_splits = launch_config(b, hq, hkv, d, kv_el, torch.cuda.get_device_properties(dev).multi_processor_count).splits
             res = {}
             if mode == "rule":
                 rule_mode(res, q, k_cache, v_cache, tables[:b], lens, out, b, hq, hkv, d, kv_bytes, dev, graph_time,
                           paged_decode_attention)
-            for (bn, w, st), sp in itertools.product(configs if mode == "grid" else (), (1, 2, 4, 8, 16)):
+            split_counts = sorted({max(rule_splits // 2, 1), rule_splits, min(rule_splits * 2, 16)}) if fp8 else (1, 2, 4, 8, 16)
+            for (bn, w, st), sp in itertools.product(configs if mode == "grid" else (), split_counts):
                 try:
                     res[(sp, bn, w, st)] = graph_time(lambda: paged_decode_attention(
                         q, k_cache, v_cache, tables[:b], lens, 0.088, num_splits=sp, block_n=bn, out=out,
-                        num_warps=w, num_stages=st), reps=10)
+                        num_warps=w, num_stages=st, k_scale=scale, v_scale=scale), reps=10)
                 except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
                     print(f"   {sp}sp {bn}n {w}w{st}s failed: {type(e).__name__}")
-            default = graph_time(lambda: paged_decode_attention(q, k_cache, v_cache, tables[:b], lens, 0.088, out=out), reps=10)
+            default = graph_time(lambda: paged_decode_attention(q, k_cache, v_cache, tables[:b], lens, 0.088, out=out,
+                                                                k_scale=scale, v_scale=scale), reps=10)
             if mode == "rule":
                 line = ", ".join(f"{k} {100 * kv_bytes / t / copy:.0f}%" for k, t in res.items())
                 print(f"B={b:4d} ({kv_bytes / 1e6:.0f} MB) % of copy: {line}")
@@ -169,13 +215,18 @@ def main() -> None:
             print(f"B={b:4d} default {gbs(default):5.0f} GB/s ({100 * gbs(default) * 1e9 / copy:3.0f}% of copy) | best "
                   f"{gbs(res[best]):5.0f} ({100 * gbs(res[best]) * 1e9 / copy:3.0f}%) @ {best} | top "
                   + "; ".join(f"{k} {gbs(res[k]):.0f}" for k in top))
-            rows.append(dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, kv_bytes=kv_bytes, default_s=default,
-                             results={"/".join(map(str, k)): t for k, t in res.items()}))
+            rows.append(dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, kv=kv, kv_bytes=kv_bytes, default_s=default,
+                             splits=rule_splits, results={"/".join(map(str, k)): t for k, t in res.items()}))
         if out_json:  # after every shape: a run cut short keeps what it measured
             with open(out_json, "w") as f:
                 json.dump(dict(copy_bytes_per_s=copy, rows=rows), f)
         del k_cache, v_cache
         torch.cuda.empty_cache()
+    if mode == "grid":
+        best = recommend_kv_tiles(rows, kv_el)
+        if out_json:
+            with open(out_json, "w") as f:
+                json.dump(dict(copy_bytes_per_s=copy, kv=kv, rows=rows, recommend_kv_tiles=best), f)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ if not ensure_interpreter():
 
 from batchinfer.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from batchinfer.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from batchinfer.kernels import cache, decode_attention, extend_attention, reference  # noqa: E402
+from batchinfer.kernels import cache, decode_attention, decode_launch, extend_attention, reference  # noqa: E402
 from paged_batch import PagedSequences, compare_backends_over_steps, make_caches  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -87,6 +87,26 @@ def test_decode_kernel_fp8_cache(num_heads, num_kv_heads, head_dim, block_size, 
     want = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, scale, scale)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert want.abs().max() < 10  # the scales were applied (stored values are ~50x the real ones)
+
+
+@pytest.mark.parametrize("kv_bytes", sorted(decode_launch.KV_TILES))
+def test_every_kv_tile_entry_runs_and_matches_the_reference(kv_bytes):
+    """Each KV_TILES entry (the decode launch's tile, warps and stages by KV element size), taken by
+    default on a cache of that element size: so an entry set from a measurement is covered."""
+    tile, warps, stages = decode_launch.KV_TILES[kv_bytes]
+    launch = decode_launch.launch_config(64, 32, 8, 128, kv_bytes, 132)
+    assert (launch.block_n, launch.num_warps, launch.num_stages) == (decode_launch.decode_block_n(128, tile), warps, stages)
+    seq_lens = [1, 150, 300]
+    scale = 0.02 if kv_bytes == 1 else 1.0
+    k_cache, v_cache, tables, gen = _fp8_context(seq_lens, 2, 16, 16, 2, scale)
+    if kv_bytes == 2:  # (float16, not bf16: the interpreter's tl.dot)
+        k_cache, v_cache = (reference.from_kv_cache(c, torch.float16, scale) for c in (k_cache, v_cache))
+    q = torch.randn(len(seq_lens), 8, 16, generator=gen).to(torch.float16 if kv_bytes == 2 else torch.float32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    got = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, k_scale=scale, v_scale=scale)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, scale, scale)
+    tol = dict(rtol=1e-2, atol=1e-3) if kv_bytes == 2 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter's tl.dot is wrong in bf16)

@@ -15,7 +15,7 @@ The rule, fitted on an H200 sweep (scripts/decode_shape_sweep.py over eleven rel
 batch 256/64/8, contexts uniform in [100, 2048]; BENCHMARKS.md has the table):
 - block_n: K/V tiles of 8192 elements (16 KB in 16 bits): 128 keys for head_dim 64, 64 for 128.
   The widened tile lives in registers, so elements (not the cache's bytes) set it; FP8 caches
-  get the same tile (unmeasured).
+  get the same tile until measured (KV_TILES below).
 - splits: the smallest power of two >= 2, at most 16, with batch x query heads x splits >= 32 x
   SMs partial rows (a row: one query head's output over one slice, written by the split kernel and
   read by the merge). Counting KV-head programs instead (>= 4 x SMs) fits the sweep a little
@@ -34,6 +34,20 @@ ROWS_PER_SM = 32  # "sequence" split: partial rows (sequence x query head x slic
 MAX_SPLITS = 16
 TILE_ELEMENTS = 8192  # block_n x head_dim of one K (or V) tile
 
+# KV element bytes -> (tile elements, num_warps, num_stages) of the "sequence" split's kernel.
+# 2 bytes (bf16/fp16; a 4-byte float32 cache takes these too): measured, the rule above.
+# 1 byte (FP8 e4m3): >>> MEASUREMENT NEEDED <<< the 2-byte values until measured. A 1-byte tile of the
+#   same elements moves half the bytes per iteration, and nano256 with an FP8 cache ran at 0.94x bf16
+#   on the H200, so wider tiles or deeper pipelines may pay. To set it: on the H200 run
+#   `python3 scripts/decode_shape_sweep.py --kv fp8` (qwen3-0.6b and llama-3.1-8b, batch 256/64/8,
+#   under 2 minutes); its last line prints the entry to write here (the (block_n x head_dim,
+#   warps, stages) with the best geometric-mean time over those shapes and batches, each at the
+#   rule's split count).
+KV_TILES: dict[int, tuple[int, int, int]] = {
+    2: (TILE_ELEMENTS, 4, 2),
+    1: (TILE_ELEMENTS, 4, 2),  # MEASUREMENT NEEDED: scripts/decode_shape_sweep.py --kv fp8
+}
+
 
 @dataclass(frozen=True)
 class DecodeLaunch:
@@ -44,10 +58,11 @@ class DecodeLaunch:
     work: str = "sequence"  # "sequence" | "balanced"
 
 
-def decode_block_n(head_dim: int) -> int:
-    """Keys per inner iteration: TILE_ELEMENTS / head_dim, a power of two in [16, 128]."""
-    n = 16
-    while n < 128 and n * 2 * head_dim <= TILE_ELEMENTS:
+def decode_block_n(head_dim: int, tile_elements: int = TILE_ELEMENTS) -> int:
+    """Keys per inner iteration: tile_elements / head_dim, a power of two in [16, 128] (up to 256
+    for a tile of more than 128 x head_dim elements)."""
+    n, top = 16, (256 if tile_elements > 128 * head_dim else 128)
+    while n < top and n * 2 * head_dim <= tile_elements:
         n *= 2
     return n
 
@@ -69,21 +84,22 @@ def launch_config(
     work "sequence": rows_per_sm sets the slices (the rule above). work "balanced":
     `programs_per_sm` x SMs programs in all (default 3, unmeasured: about the resident CTAs of a
     16 KB-tile program), split over the KV heads; the split count is then the token ranges per KV
-    head, independent of the batch. kv_bytes is accepted for the FP8 cache (same tiles, see above).
+    head, independent of the batch. kv_bytes picks the tile, warps and stages (KV_TILES).
     """
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if work not in ("sequence", "balanced"):
         raise ValueError(f"decode work split must be 'sequence' or 'balanced', not {work!r}")
-    del kv_bytes  # tiles are set by elements (the register tile), see the module docstring
-    block_n = decode_block_n(head_dim)
+    tile, warps, stages = KV_TILES[1 if kv_bytes == 1 else 2]  # by KV element size: see KV_TILES
+    block_n = decode_block_n(head_dim, tile)
     if work == "balanced":
         per_sm = 3.0 if programs_per_sm is None else programs_per_sm
         total = 8 if sms is None else max(1, round(per_sm * sms))
-        return DecodeLaunch(splits=max(1, -(-total // num_kv_heads)), block_n=block_n, work="balanced")
+        return DecodeLaunch(splits=max(1, -(-total // num_kv_heads)), block_n=block_n, num_warps=warps,
+                            num_stages=stages, work="balanced")
     if sms is None:
-        return DecodeLaunch(splits=8, block_n=block_n)
+        return DecodeLaunch(splits=8, block_n=block_n, num_warps=warps, num_stages=stages)
     splits = 2
     while splits < MAX_SPLITS and batch * num_heads * splits < rows_per_sm * sms:
         splits *= 2
-    return DecodeLaunch(splits=splits, block_n=block_n)
+    return DecodeLaunch(splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)

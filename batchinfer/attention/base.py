@@ -115,6 +115,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] | None = None,  # (k_scale, v_scale) of an FP8 cache; None: the backend's kv_scale
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 

@@ -36,17 +36,18 @@ MAX_GROUP_SCORES = 1 << 24  # query rows x keys per group (x heads: the score ma
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, kv_scale: float = 1.0
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    kv_scale: float = 1.0, v_scale: float | None = None,
 ) -> None:
     """Copy k/v [T, kv_heads, head_dim] into the caches at slots [T]; slots < 0 are not written. An
-    FP8 cache stores them divided by kv_scale (kernels/reference.py to_kv_cache)."""
+    FP8 cache stores k / kv_scale and v / v_scale (v_scale None: kv_scale; kernels/reference.py to_kv_cache)."""
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
     if k_cache.dtype == torch.float8_e4m3fn:  # copied as bytes: index_copy_ has no FP8 kernel everywhere
-        for cache, x in ((k_cache, k), (v_cache, v)):
+        for cache, x, s in ((k_cache, k, kv_scale), (v_cache, v, kv_scale if v_scale is None else v_scale)):
             flat = cache.view(torch.uint8).view(-1, *cache.shape[2:])
-            flat.index_copy_(0, slots, to_kv_cache(x, cache.dtype, kv_scale).view(torch.uint8))
+            flat.index_copy_(0, slots, to_kv_cache(x, cache.dtype, s).view(torch.uint8))
         return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
@@ -160,7 +161,8 @@ def _select(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 class TorchAttentionBackend:
     """AttentionBackend in plain PyTorch (any device; used on CPU). kv_scale: the per-tensor scale of
-    an FP8 KV cache (stored x / kv_scale, read back times it); a cache in the model's dtype ignores it."""
+    an FP8 KV cache (stored x / kv_scale, read back times it) for layers that give no kv_scales of
+    their own; a cache in the model's dtype ignores both."""
 
     name = "torch"
     graph_safe = False  # loops over sequences on the host (query_lens_cpu): nothing to capture
@@ -196,15 +198,17 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.kv_scale)
+        ks, vs = kv_scales if kv_scales is not None else (self.kv_scale, self.kv_scale)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads
         groups = self._groups(meta, k_cache.shape[1], group, q.device, q.dtype)
         k_flat = k_cache.view(-1, kv_heads, head_dim)
         v_flat = v_cache.view(-1, kv_heads, head_dim)
-        s = self.kv_scale
+        s = (ks, vs)
         if len(groups) == 1 and groups[0].q_index is None and groups[0].n * groups[0].q_rows == q.shape[0]:
             return self._attend(q, k_flat, v_flat, groups[0], group, scale, s).view_as(q)
         out = torch.zeros_like(q)  # rows of zero-length queries stay 0
@@ -219,13 +223,13 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, g: _Group, group: int, scale: float,
-                kv_scale: float = 1.0):
+                kv_scales: tuple[float, float] = (1.0, 1.0)):
         """q: [n * q_rows, heads, head_dim] of one group -> attended, same shape (rows in tile order)."""
         n, rows, keys = g.n, g.q_rows, g.keys
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = heads // group
-        keys_t = from_kv_cache(_select(k_flat, g.slots), q.dtype, kv_scale).view(n, keys, kv_heads, head_dim).transpose(1, 2)
-        values = from_kv_cache(_select(v_flat, g.slots), q.dtype, kv_scale).view(n, keys, kv_heads, head_dim).transpose(1, 2)
+        keys_t = from_kv_cache(_select(k_flat, g.slots), q.dtype, kv_scales[0]).view(n, keys, kv_heads, head_dim).transpose(1, 2)
+        values = from_kv_cache(_select(v_flat, g.slots), q.dtype, kv_scales[1]).view(n, keys, kv_heads, head_dim).transpose(1, 2)
         if rows == 1:  # decode: the G query heads of a kv head are the query axis
             query = q.view(n, kv_heads, group, head_dim)
             out = F.scaled_dot_product_attention(query, keys_t, values, attn_mask=g.mask, scale=scale)

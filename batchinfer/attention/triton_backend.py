@@ -36,7 +36,9 @@ class TritonAttentionBackend:
     decode_block_n / extend_block_n: keys per inner iteration; extend_block_rows: query rows
     (tokens x GQA heads) per extend program;
     kv_scale: the per-tensor scale of an FP8 KV cache (values stored as x / kv_scale, read back times
-        it: engine.kv_cache_scale); a cache in the model's dtype ignores it.
+        it: engine.kv_cache_scale) for layers that give no kv_scales of their own (forward's
+        (k_scale, v_scale): calibrated per layer, engine/kv_calibration.py); a cache in the model's
+        dtype ignores both.
     """
 
     gqa_group: int = 1
@@ -90,14 +92,18 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
-        s = self.kv_scale if k_cache.dtype == torch.float8_e4m3fn else 1.0
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, s, s)
+        if k_cache.dtype != torch.float8_e4m3fn:
+            ks = vs = 1.0
+        else:
+            ks, vs = kv_scales if kv_scales is not None else (self.kv_scale, self.kv_scale)
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         if meta.decode_only and q.shape[0] == meta.seq_lens.shape[0]:
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                 num_splits=self.decode_splits, block_n=self.decode_block_n,
-                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=s, v_scale=s, work=self.decode_work,
+                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=ks, v_scale=vs, work=self.decode_work,
             )
         # rows past the last sequence (padding) are never written by the kernels: zero them
         out = torch.zeros_like(q) if q.shape[0] > sum(meta.query_lens_cpu) else torch.empty_like(q)
@@ -119,10 +125,10 @@ class TritonAttentionBackend:
             paged_decode_attention(
                 q[:n_dec], k_cache, v_cache, meta.block_tables[:n_dec], dec_lens, scale,
                 num_splits=self.decode_splits, block_n=self.decode_block_n, out=out[:n_dec],
-                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=s, v_scale=s, work=self.decode_work,
+                num_warps=self.decode_warps, num_stages=self.decode_stages, k_scale=ks, v_scale=vs, work=self.decode_work,
             )
         return paged_extend_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, scale, block_rows=self.extend_block_rows, block_n=self.extend_block_n,
-            out=out, first_seq=n_dec, tiles=tiles, k_scale=s, v_scale=s,
+            out=out, first_seq=n_dec, tiles=tiles, k_scale=ks, v_scale=vs,
         )

@@ -64,6 +64,9 @@ def throughput(
     kv_cache_dtype: Optional[str] = typer.Option(
         None, "--kv-cache-dtype", help="auto | fp8_e4m3: the KV cache in FP8 (a byte an element; reported against both floors)."
     ),
+    kv_cache_scale: Optional[str] = typer.Option(
+        None, "--kv-cache-scale", help="With --kv-cache-dtype fp8_e4m3: one scale for every layer, or auto (calibrated per layer at start)."
+    ),
     profile_dir: Optional[Path] = typer.Option(None, "--profile-dir", help="Profile a few steps of the measured run into this folder."),
     speculative: Optional[str] = typer.Option(
         None, "--speculative", help="ngram | grammar | ngram+grammar | oracle (drafts = a recorded plain run's output)."
@@ -101,6 +104,7 @@ def throughput(
             torch_threads=torch_threads,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            kv_cache_scale=None if kv_cache_scale is None else _kv_cache_scale(kv_cache_scale),
         ).items()
         if v is not None
     }
@@ -268,3 +272,13 @@ def job(
     if json_out is not None:
         write_json(result, json_out)
         typer.echo(f"numbers written to {json_out}")
+
+
+def _kv_cache_scale(text: str) -> float | str:
+    """--kv-cache-scale: auto, or a number (EngineConfig checks it is > 0)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise typer.BadParameter(f"--kv-cache-scale must be a number or auto, not {text!r}") from None

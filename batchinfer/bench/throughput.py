@@ -302,6 +302,7 @@ def measure_workload(
         "dtype": str(info.dtype).replace("torch.", ""),
         "quantization": info.quantization,
         "kv_cache_dtype": cfg.kv_cache_dtype,
+        "kv_scales": engine.kv_scales,  # per layer (k, v) when calibrated (kv_cache_scale auto)
         "engine": {k: v for k, v in cfg.__dict__.items() if k != "model"},
         "requests": len(results),
         "errors": len(results) - len(ok),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from batchinfer.engine.speculative import SpeculativeConfig
 
@@ -31,7 +31,10 @@ class EngineConfig:
         value / kv_cache_scale, saturated at +-448 and rounded to nearest, read back times the scale.
     kv_cache_scale: the FP8 KV cache's one scale for every layer, K and V (default 1.0: e4m3 then
         covers |values| up to 448 and keeps 3 mantissa bits down to 2^-6, which K and V of the
-        supported models fit; a model with larger K or V wants a larger scale). Ignored with auto.
+        supported models fit; a model with larger K or V wants a larger scale), or "auto": a K and
+        a V scale per layer, calibrated at engine start from one forward over a short fixed text
+        (amax x 2 / 448; engine/kv_calibration.py), logged and kept as Engine.kv_scales. Ignored
+        with kv_cache_dtype auto.
     num_kv_blocks: force this many KV blocks (tests; overrides both sizes above).
     enable_prefix_sharing: share KV blocks of identical full-block prefixes between sequences.
     attention_backend: auto | torch | triton | triton-balanced (auto: triton on a GPU, torch on CPU;
@@ -78,7 +81,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9
     kv_cache_gib: float = 1.0
     kv_cache_dtype: str = "auto"
-    kv_cache_scale: float = 1.0
+    kv_cache_scale: float | Literal["auto"] = 1.0
     num_kv_blocks: int | None = None
     enable_prefix_sharing: bool = True
     attention_backend: str = "auto"
@@ -110,8 +113,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be safetensors or random, not {self.load_format!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, not {self.kv_cache_dtype!r}")
-        if not self.kv_cache_scale > 0:
-            raise ValueError(f"kv_cache_scale must be > 0, not {self.kv_cache_scale!r}")
+        if self.kv_cache_scale != "auto" and (isinstance(self.kv_cache_scale, (str, bool)) or not self.kv_cache_scale > 0):
+            raise ValueError(f"kv_cache_scale must be > 0 or auto, not {self.kv_cache_scale!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:

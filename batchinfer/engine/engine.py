@@ -122,6 +122,8 @@ class Engine:
         self.on_step = on_step
         self.runner = ModelRunner(config)
         self.model_info = self.runner.info
+        # per layer (k_scale, v_scale) of the FP8 KV cache when calibrated (kv_cache_scale auto), else None
+        self.kv_scales = self.runner.kv_scales
         t = time.perf_counter()
         tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_info.model_dir)

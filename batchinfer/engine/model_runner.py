@@ -20,6 +20,7 @@ an event-guarded copy to pinned memory, so the host syncs only when it reads the
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.sampler import SamplingBatch, ban_tokens_, make_sampling_batch, sample
 from batchinfer.engine.sequence import Sequence
 from batchinfer.models.loader import load_model, load_model_info
+
+logger = logging.getLogger(__name__)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -118,8 +121,9 @@ class ModelRunner:
             torch.set_num_threads(threads)  # process-wide: see EngineConfig.torch_threads
         self.block_size = config.block_size
         shape = load_model_info(config.model, config.dtype, self.device, config.quantization)
+        fixed_scale = 1.0 if config.kv_cache_scale == "auto" else float(config.kv_cache_scale)
         self.attention = get_attention_backend(
-            config.attention_backend, self.device, shape.num_heads // shape.num_kv_heads, kv_scale=config.kv_cache_scale
+            config.attention_backend, self.device, shape.num_heads // shape.num_kv_heads, kv_scale=fixed_scale
         )
         self.model, self.info = load_model(
             config.model, config.dtype, self.device, self.attention, load_format=config.load_format,
@@ -136,6 +140,12 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate(self.num_blocks)
         t = self._span("kv_cache", t)  # on a GPU: the profiling forward, then the allocation
+        # per layer (k_scale, v_scale) of an FP8 cache calibrated at start (kv_cache_scale auto), else None
+        self.kv_scales: list[tuple[float, float]] | None = None
+        if config.kv_cache_scale == "auto" and self.kv_caches[0][0].dtype == torch.float8_e4m3fn:
+            self.kv_scales = self.calibrate_kv_scales()
+            self.model.set_kv_scales(self.kv_scales)  # before any graph capture: the scales are baked in
+            t = self._span("kv_calibration", t)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         if self._graphs_usable():
@@ -257,6 +267,36 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
         return free
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(self, tokenizer=None) -> list[tuple[float, float]]:
+        """Per layer (k_scale, v_scale) for the FP8 KV cache from one forward over the calibration texts
+        (engine/kv_calibration.py) in a scratch cache of the model's dtype. tokenizer None: the
+        model's own (the fixed pseudo-random ids if it has none that loads)."""
+        from batchinfer.engine import kv_calibration
+        from batchinfer.models.loader import ModelLoadError, load_tokenizer
+
+        if tokenizer is None:
+            try:
+                tokenizer = load_tokenizer(self.info.model_dir)
+            except ModelLoadError:
+                tokenizer = None
+        ids = kv_calibration.calibration_token_ids(tokenizer, self.vocab_size)
+        ids = [x[: self.max_model_len] for x in ids]
+        lens = [len(x) for x in ids]
+        bounds = np.cumsum([0] + [-(-n // self.block_size) for n in lens]).tolist()
+        tables = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        i = self.info
+        caches = allocate_kv_cache(i.num_layers, bounds[-1], self.block_size, i.num_kv_heads, i.head_dim, i.dtype, self.device)
+
+        def run():
+            batch = self._pack([0] * len(lens), lens, ids, tables, [False] * len(lens))
+            self.model(batch.input_ids, batch.positions, caches, batch.meta)
+
+        self.model.set_kv_scales(None)
+        scales = kv_calibration.scales_from_amax(kv_calibration.measure_kv_amax(self.model, run))
+        logger.info("kv_cache_scale auto: %s", kv_calibration.describe(scales))
+        return scales
 
     @torch.inference_mode()
     def profile_step(self) -> torch.Tensor:

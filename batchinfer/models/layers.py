@@ -157,6 +157,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
+        # (k_scale, v_scale) of this layer's FP8 KV cache (CausalLM.set_kv_scales); None: the backend's
+        self.kv_scales: tuple[float, float] | None = None
 
     def forward(
         self,
@@ -183,7 +185,7 @@ class Attention(nn.Module):
             q, k = apply_rotary_(q, k, positions, cache[:, :half], cache[:, half:])
         else:
             q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(out.reshape(tokens, cfg.q_size))
 
 
@@ -251,6 +253,14 @@ class CausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
+
+    def set_kv_scales(self, scales: list[tuple[float, float]] | None) -> None:
+        """Per layer (k_scale, v_scale) of an FP8 KV cache (engine/kv_calibration.py); None: every
+        layer takes its attention backend's one kv_scale again."""
+        if scales is not None and len(scales) != len(self.layers):
+            raise ValueError(f"{len(scales)} KV scale pairs for {len(self.layers)} layers")
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.kv_scales = None if scales is None else (float(scales[i][0]), float(scales[i][1]))
 
     @property
     def device(self) -> torch.device:

@@ -223,9 +223,11 @@ def test_job_spec_engine_kv_cache_dtype(tmp_path):
 def test_bench_throughput_fp8_kv_and_weights(tiny_model, tmp_path):
     from batchinfer.bench.throughput import format_report, run_throughput
 
-    r = run_throughput(str(tiny_model), "nano256", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, scale=0.02,
-                       cache_dir=tmp_path)
+    r = run_throughput(str(tiny_model), "nano256", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "kv_cache_scale": "auto"},
+                       scale=0.02, cache_dir=tmp_path)
     assert r["errors"] == 0 and r["kv_cache_dtype"] == "fp8_e4m3"
+    assert r["kv_scales"] and all(k > 0 and v > 0 for k, v in r["kv_scales"])  # calibrated per layer
+    assert "KV scales calibrated" in format_report(r)
     assert r["floor"]["bytes"] == r["floors"]["fp8"]["bytes"]  # everything FP8: the run's floor is the FP8 one
     assert r["floors"]["fp8"]["bytes"] < r["floors"]["bf16"]["bytes"]
     assert "fp8_e4m3 KV cache" in format_report(r)

@@ -19,6 +19,7 @@ from batchinfer.bench.roofline import measure_ceilings, workload_floor
 from batchinfer.bench.shapes import SHAPES, write_shape
 from batchinfer.bench.workloads import make_workload
 from batchinfer.engine.config import EngineConfig
+from batchinfer.engine.kv_calibration import describe as describe_kv_scales
 from batchinfer.engine.step_cost import StepCost
 from batchinfer.io.model_files import kv_bytes_per_token
 from batchinfer.models.loader import load_model_info
@@ -448,6 +449,7 @@ def format_report(r: dict) -> str:
         + (f", {r['quantization']} weights" if r.get("quantization", "none") != "none" else "")
         + (f", {r['kv_cache_dtype']} KV cache" if r.get("kv_cache_dtype", "auto") != "auto" else "")
         + f"); {r['requests']} requests, {r['errors']} errors",
+        *([f"KV scales calibrated: {describe_kv_scales(r['kv_scales'])}"] if r.get("kv_scales") else []),
         f"elapsed {r['elapsed_s']:.2f} s: {r['requests_per_s']:.2f} req/s, "
         f"{r['output_tokens_per_s']:,.0f} output tok/s, {r['total_tokens_per_s']:,.0f} total tok/s",
         f"ceilings: copy {r['ceilings']['copy_GBps']:,.0f} GB/s, matmul {r['ceilings']['matmul_TFLOPs']:,.1f} TFLOP/s",

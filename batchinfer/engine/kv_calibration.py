@@ -46,7 +46,7 @@ def calibration_token_ids(tokenizer, vocab_size: int) -> list[list[int]]:
     """CALIBRATION_TEXTS tokenised (with the tokenizer's special tokens); without a tokenizer (None),
     a fixed pseudo-random sequence of ids of the same total length."""
     if tokenizer is not None:
-        return [list(tokenizer(text)["input_ids"]) for text in CALIBRATION_TEXTS]
+        return [list(tokenizer.encode(text)) for text in CALIBRATION_TEXTS]
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab_size, (160,), generator=gen).tolist() for _ in CALIBRATION_TEXTS]
 

@@ -7,7 +7,7 @@ of each CPU step small and keeps the grammar part exactly as large as on the GPU
 StepStats.host_ms over decode-only steps measures the host work that matters there.
 
 Run: `python3 scripts/grammar_host_bench.py [--backend llguidance xgrammar] [--requests 320]
-[--scale 0.5] [--json out.json]`. The workload is docs1000-json (make_workload, fixed seed), cut to
+[--scale 0.5] [--json out.json] [--no-share-masks]`. The workload is docs1000-json (make_workload, fixed seed), cut to
 `--requests` requests; with the default scale 0.5 outputs are up to 100 tokens and 256 run at once.
 The output tokens of each backend are printed as a fingerprint (sha256 of all results) so runs
 before and after a change can be checked to produce the same answers.
@@ -37,6 +37,7 @@ class BenchConfig:
     scale: float = 0.5
     max_num_seqs: int = 256
     model_dir: Path = Path(tempfile.gettempdir()) / "batchinfer-grammar-host-bench"
+    share_masks: bool = True  # EngineConfig.grammar_share_masks
 
 
 def tiny_qwen_folder(out: Path) -> Path:
@@ -57,20 +58,34 @@ def run_one(cfg: BenchConfig, backend: str) -> dict:
     from batchinfer.engine import Engine, EngineConfig
 
     steps = []
+    fill_ms: list[float] = []  # per step: the ms the library fills ran (on the CPU they overlap the forward)
+    box: dict = {}
+
+    def on_step(stats) -> None:
+        steps.append(stats)
+        grammar = box["engine"].grammar
+        fill_ms.append(grammar.fill_s * 1000.0 - sum(fill_ms))
+
     engine = Engine(
         EngineConfig(model=str(tiny_qwen_folder(cfg.model_dir)), load_format="random", dtype="float32", device="cpu",
-                     max_num_seqs=cfg.max_num_seqs, kv_cache_gib=2.0, grammar_backend=backend),
-        on_step=steps.append,
+                     max_num_seqs=cfg.max_num_seqs, kv_cache_gib=2.0, grammar_backend=backend,
+                     grammar_share_masks=cfg.share_masks),
+        on_step=on_step,
     )
+    box["engine"] = engine
     wl = make_workload("docs1000-json", engine.model_info.vocab_size, scale=cfg.scale)
     requests = wl.requests[: cfg.requests]
     list(engine.generate(wl.requests[-2:]))  # compile the grammar and warm the thread pools
     steps.clear()
+    fill_ms.clear()
+    engine.grammar.fill_s = 0.0
+    computed0, copied0 = engine.grammar.rows_computed, engine.grammar.rows_copied
     t0 = time.perf_counter()
     results = sorted(engine.generate(requests), key=lambda r: r.request_id)
     wall = time.perf_counter() - t0
     decode = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
     full = [s for s in decode if s.num_decode_tokens >= cfg.max_num_seqs]
+    full_fill = [ms for s, ms in zip(steps, fill_ms) if s in full]
     digest = hashlib.sha256()
     for r in results:
         digest.update(f"{r.request_id}:{r.finish_reason}:{r.output_token_ids}\n".encode())
@@ -86,6 +101,11 @@ def run_one(cfg: BenchConfig, backend: str) -> dict:
         "full_decode_steps": len(full),
         "full_decode_host_ms_mean": statistics.fmean(s.host_ms for s in full) if full else None,
         "decode_wait_ms_mean": statistics.fmean(s.wait_ms for s in decode) if decode else None,
+        # the library fill's own time per full decode step: on a GPU host this is what the step
+        # waits for once it exceeds the forward (here it hides under the CPU forward, so host_ms omits it)
+        "full_decode_fill_ms_mean": statistics.fmean(full_fill) if full_fill else None,
+        "mask_rows_computed": engine.grammar.rows_computed - computed0,
+        "mask_rows_copied": engine.grammar.rows_copied - copied0,
         "outputs_sha256": digest.hexdigest()[:16],
     }
 
@@ -96,8 +116,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=BenchConfig.requests)
     ap.add_argument("--scale", type=float, default=BenchConfig.scale)
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers to this file")
+    ap.add_argument("--no-share-masks", action="store_true", help="fill every row's mask (grammar_share_masks=False)")
     args = ap.parse_args()
-    cfg = BenchConfig(backends=tuple(args.backend), requests=args.requests, scale=args.scale)
+    cfg = BenchConfig(backends=tuple(args.backend), requests=args.requests, scale=args.scale,
+                      share_masks=not args.no_share_masks)
     rows = []
     for backend in cfg.backends:
         row = run_one(cfg, backend)

@@ -48,6 +48,9 @@ class EngineConfig:
     grammar_backend: auto | xgrammar | llguidance | outlines.
     grammar_threads: threads that fill grammar masks (None: all CPUs but one on hosts with more than
         4 for llguidance, xgrammar's own default for xgrammar).
+    grammar_share_masks: compute one mask per grammar state, not per row: rows whose matchers took
+        the same tokens from the same grammar start get a copy of one row's mask (engine/grammar.py);
+        False fills every row (the reference the tests compare against).
     seed: seeds the per-request seeds of requests that give none.
     load_format: safetensors (read the checkpoint) | random (random weights of the config's shapes:
         benchmarks of real shapes without a download).
@@ -90,6 +93,7 @@ class EngineConfig:
     overlap: bool = True
     grammar_backend: str = "auto"
     grammar_threads: int | None = None
+    grammar_share_masks: bool = True
     seed: int = 0
     load_format: str = "safetensors"
     torch_threads: int | None = None

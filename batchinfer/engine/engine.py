@@ -148,7 +148,7 @@ class Engine:
         self.grammar = GrammarState(
             self.tokenizer, self.runner.vocab_size, config.grammar_backend, self.model_info.eos_token_ids,
             config.grammar_threads, config.max_num_seqs, pin_memory=self.runner.device.type == "cuda",
-            compiler=grammar_compiler,
+            compiler=grammar_compiler, share_masks=config.grammar_share_masks,
         )
         self._inflight: _InFlight | None = None
         self._last_end: Any = None  # timing event ending the last launched step (CUDA only)
@@ -261,10 +261,9 @@ class Engine:
             return f"request {rid}: {problem}"
         constraint = seq.request.constraint
         if constraint is not None:
-            matcher = self.grammar.new_matcher(constraint)
-            if isinstance(matcher, str):
-                return f"request {rid}: {matcher}"
-            seq.matcher = matcher
+            problem = self.grammar.attach(seq, constraint)
+            if problem is not None:
+                return f"request {rid}: {problem}"
         if seq.request.sampling.stop:
             skip = seq.request.sampling.skip_special_tokens
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, list(seq.token_ids), skip_special_tokens=skip)

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
@@ -236,14 +237,19 @@ class GrammarCompiler:
             pool.shutdown(wait=True)
 
 
-def _fill_all(batches: list[tuple[Any, list[Any], list[int]]], bitmask: torch.Tensor) -> None:
-    """Run each backend's library fill (on the helper thread: these release the GIL)."""
+def _fill_all(batches: list[tuple[Any, list[Any], list[int]]], bitmask: torch.Tensor) -> float:
+    """Run each backend's library fill (on the helper thread: these release the GIL); the seconds it took."""
+    t = time.perf_counter()
     for backend, ms, idx in batches:
         backend.fill_rows(ms, bitmask, idx)
+    return time.perf_counter() - t
 
 
 class PendingFill:
-    """A bitmask fill in progress (GrammarCompiler.start_fill); wait() finishes it and returns the bitmask."""
+    """A bitmask fill in progress (GrammarCompiler.start_fill); wait() finishes it and returns the bitmask.
+
+    fill_s: after wait(), the seconds the libraries' fills ran (on the helper thread and in wait()),
+    whether or not the caller waited for them."""
 
     def __init__(self, bitmask: torch.Tensor, batches: list, future: Future | None, started: set[int]) -> None:
         self.bitmask = bitmask
@@ -251,16 +257,15 @@ class PendingFill:
         self._future = future
         self._started = started
         self._done = False
+        self.fill_s = 0.0
 
     def wait(self) -> torch.Tensor:
         if self._done:
             return self.bitmask
         self._done = True
-        for backend, ms, idx in self._batches:
-            if id(backend) not in self._started:
-                backend.fill_rows(ms, self.bitmask, idx)
+        self.fill_s = _fill_all([b for b in self._batches if id(b[0]) not in self._started], self.bitmask)
         if self._future is not None:
-            self._future.result()
+            self.fill_s += self._future.result()
             self._future = None
         for backend, ms, idx in self._batches:
             backend.finish_rows(ms, self.bitmask, idx)

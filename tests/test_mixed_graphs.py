@@ -129,7 +129,7 @@ def test_staged_verify_step_samples_every_row_like_the_eager_step(triton_runner)
     graphs = VerifyGraphs(buffers, 200, runner.vocab_size, torch.float32, runner.device)
     mixed = MixedGraphs(runner.attention.graph_buffers(200, seqs, runner.max_blocks_per_seq, False, runner.device),
                         200, seqs, runner.vocab_size, torch.float32, runner.device)
-    tables = [list(range(40 * i, 40 * (i + 1))) for i in range(6)]
+    tables = [list(range(20 * i, 20 * (i + 1))) for i in range(6)]  # 120 of the runner's 160 blocks (4 tokens each)
     steps = [([0] * 6, [30, 25, 40, 20, 35, 28]), ([30, 25, 40, 20, 35, 28], [5, 3, 5, 1, 4, 2]), ([35, 28, 45], [2, 5, 1])]
     for i, (starts, lens) in enumerate(steps):
         batch = _step(runner, starts, lens, tables[: len(lens)], [True] * len(lens), seed=10 + i)

@@ -7,7 +7,7 @@ of each CPU step small and keeps the grammar part exactly as large as on the GPU
 StepStats.host_ms over decode-only steps measures the host work that matters there.
 
 Run: `python3 scripts/grammar_host_bench.py [--backend llguidance xgrammar] [--requests 320]
-[--scale 0.5] [--json out.json] [--no-share-masks]`. The workload is docs1000-json (make_workload, fixed seed), cut to
+[--scale 0.5] [--json out.json] [--share-masks]`. The workload is docs1000-json (make_workload, fixed seed), cut to
 `--requests` requests; with the default scale 0.5 outputs are up to 100 tokens and 256 run at once.
 The output tokens of each backend are printed as a fingerprint (sha256 of all results) so runs
 before and after a change can be checked to produce the same answers.
@@ -37,7 +37,7 @@ class BenchConfig:
     scale: float = 0.5
     max_num_seqs: int = 256
     model_dir: Path = Path(tempfile.gettempdir()) / "batchinfer-grammar-host-bench"
-    share_masks: bool = True  # EngineConfig.grammar_share_masks
+    share_masks: bool = False  # EngineConfig.grammar_share_masks
 
 
 def tiny_qwen_folder(out: Path) -> Path:
@@ -116,10 +116,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=BenchConfig.requests)
     ap.add_argument("--scale", type=float, default=BenchConfig.scale)
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers to this file")
-    ap.add_argument("--no-share-masks", action="store_true", help="fill every row's mask (grammar_share_masks=False)")
+    ap.add_argument("--share-masks", action="store_true", help="one mask per grammar state (grammar_share_masks=True)")
     args = ap.parse_args()
     cfg = BenchConfig(backends=tuple(args.backend), requests=args.requests, scale=args.scale,
-                      share_masks=not args.no_share_masks)
+                      share_masks=args.share_masks)
     rows = []
     for backend in cfg.backends:
         row = run_one(cfg, backend)

@@ -98,6 +98,8 @@ class GrammarState:
         if isinstance(matcher, str):
             return matcher
         seq.matcher = matcher
+        if not self._share:  # keys are only read to share masks: without sharing none is kept
+            return None
         if constraint not in self._start_keys:
             self._start_keys[constraint] = next(self._keys)
         seq.grammar_key = self._start_keys[constraint]
@@ -137,6 +139,8 @@ class GrammarState:
         step_keys: dict[tuple[int, int], int] = {}  # (key before, token) -> key after, this call only
         for k, m, token, ok in zip(at, matchers, tokens, accepted):
             verdicts[k] = ("terminated" if m.is_terminated() else "ok") if ok else "rejected"
+            if not self._share:
+                continue
             seq = rows[k][0]
             before = seq.grammar_key
             if before is None or verdicts[k] != "ok":

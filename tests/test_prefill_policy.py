@@ -16,7 +16,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler import Sim, make_seq
+from test_scheduler import Sim, assert_drained, make_seq
 
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.kv_cache import BlockAllocator
@@ -245,11 +245,7 @@ def test_slack_policy_keeps_the_scheduler_invariants(
         if rng.random() < 0.3:
             sim.step()
     sim.run()
-    assert sorted(q.seq_id for q in sim.finished) == sorted(q.seq_id for q in seqs)
-    assert all(q.is_finished and q.block_ids == [] for q in seqs)
-    assert sched.allocator.num_free == num_blocks
-    sched.allocator.check()
-    assert not sched.waiting and not sched.running
+    assert_drained(sched, sim, seqs, num_blocks)
 
 
 def test_slack_policy_holds_prefill_back_somewhere_in_the_simulation():

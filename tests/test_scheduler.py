@@ -25,6 +25,16 @@ def make_seq(i: int, prompt: list[int], max_tokens: int) -> Sequence:
     return Sequence.from_request(i, req)
 
 
+def assert_drained(sched: Scheduler, sim: Sim, seqs: list[Sequence], num_blocks: int) -> None:
+    """After a simulation: every admitted sequence finished exactly once and gave back its blocks,
+    the allocator is whole and consistent, nothing is left queued."""
+    assert sorted(q.seq_id for q in sim.finished) == sorted(q.seq_id for q in seqs)
+    assert all(q.is_finished and q.block_ids == [] for q in seqs)
+    assert sched.allocator.num_free == num_blocks
+    sched.allocator.check()
+    assert not sched.waiting and not sched.running
+
+
 class Sim:
     """Drives a scheduler like the engine does, checking invariants at every step."""
 
@@ -116,11 +126,7 @@ def test_random_mix_all_finish_once_no_leak(
         if rng.random() < 0.3:  # requests also arrive while others run
             sim.step()
     sim.run()
-    assert sorted(q.seq_id for q in sim.finished) == sorted(q.seq_id for q in seqs)
-    assert all(q.is_finished and q.block_ids == [] for q in seqs)
-    assert sched.allocator.num_free == num_blocks
-    sched.allocator.check()
-    assert not sched.waiting and not sched.running
+    assert_drained(sched, sim, seqs, num_blocks)
 
 
 def test_prefix_sharing_shares_blocks():

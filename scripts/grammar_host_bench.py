@@ -79,7 +79,7 @@ def run_one(cfg: BenchConfig, backend: str) -> dict:
     steps.clear()
     fill_ms.clear()
     engine.grammar.fill_s = 0.0
-    computed0, copied0 = engine.grammar.rows_computed, engine.grammar.rows_copied
+    computed0, copied0, cached0 = engine.grammar.rows_computed, engine.grammar.rows_copied, engine.grammar.rows_cached
     t0 = time.perf_counter()
     results = sorted(engine.generate(requests), key=lambda r: r.request_id)
     wall = time.perf_counter() - t0
@@ -106,6 +106,7 @@ def run_one(cfg: BenchConfig, backend: str) -> dict:
         "full_decode_fill_ms_mean": statistics.fmean(full_fill) if full_fill else None,
         "mask_rows_computed": engine.grammar.rows_computed - computed0,
         "mask_rows_copied": engine.grammar.rows_copied - copied0,
+        "mask_rows_cached": engine.grammar.rows_cached - cached0,
         "outputs_sha256": digest.hexdigest()[:16],
     }
 

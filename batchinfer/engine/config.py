@@ -48,10 +48,12 @@ class EngineConfig:
     grammar_backend: auto | xgrammar | llguidance | outlines.
     grammar_threads: threads that fill grammar masks (None: all CPUs but one on hosts with more than
         4 for llguidance, xgrammar's own default for xgrammar).
-    grammar_share_masks: compute one mask per grammar state, not per row: rows whose matchers took
-        the same tokens from the same grammar start get a copy of one row's mask (engine/grammar.py);
-        False (default) fills every row: on the H200, docs1000-json on qwen2.5-1.5b ran 6% slower
-        with sharing on (7,763 vs 8,255 output tok/s, one call; BENCHMARKS.md 2026-12-01 fourth session).
+    grammar_share_masks: compute one mask per grammar state, not per row: JSON-schema answers of
+        llguidance grammars carry a key of their state (structured/state_keys.py: inside a free string,
+        where it opened and how many characters it holds), rows with equal keys copy one mask, and
+        masks are kept by key across steps (engine/grammar.py, engine/mask_cache.py).
+    grammar_mask_cache_mb: with grammar_share_masks, the most MiB the masks kept across steps take
+        (a 151k vocabulary's mask is 19 KB); 0: shared within a step only.
     seed: seeds the per-request seeds of requests that give none.
     load_format: safetensors (read the checkpoint) | random (random weights of the config's shapes:
         benchmarks of real shapes without a download).
@@ -94,7 +96,8 @@ class EngineConfig:
     overlap: bool = True
     grammar_backend: str = "auto"
     grammar_threads: int | None = None
-    grammar_share_masks: bool = False
+    grammar_share_masks: bool = True
+    grammar_mask_cache_mb: int = 256
     seed: int = 0
     load_format: str = "safetensors"
     torch_threads: int | None = None
@@ -130,6 +133,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
+        if self.grammar_mask_cache_mb < 0:
+            raise ValueError("grammar_mask_cache_mb must be 0 or more")
         if self.grammar_threads is not None and self.grammar_threads < 1:
             raise ValueError("grammar_threads must be at least 1")
         if self.torch_threads is not None and self.torch_threads < 1:

@@ -149,6 +149,7 @@ class Engine:
             self.tokenizer, self.runner.vocab_size, config.grammar_backend, self.model_info.eos_token_ids,
             config.grammar_threads, config.max_num_seqs, pin_memory=self.runner.device.type == "cuda",
             compiler=grammar_compiler, share_masks=config.grammar_share_masks,
+            mask_cache_bytes=config.grammar_mask_cache_mb << 20,
         )
         self._inflight: _InFlight | None = None
         self._last_end: Any = None  # timing event ending the last launched step (CUDA only)

@@ -6,20 +6,21 @@ its own threads where its fill holds no GIL, while the loop post-processes), and
 those masks (and fill any row not started) just before sampling. The matchers live on the sequences
 (Sequence.matcher); nothing here is shared between engines.
 
-One mask per grammar state, not per row (share_masks): a matcher's state is a function of its
-compiled grammar and the tokens it accepted, so every sequence carries a key of that state
-(Sequence.grammar_key): one per compiled grammar at the start, and per accept step the rows that
-had equal keys and took the same token get one new key (keys come from one counter and are never
-reused, so rows that advance in different steps never share one). A step's fill computes one row
-per distinct key and copies it into the other rows with the same key (one indexed copy after the
-wait). Measured on docs1000-json (scripts/grammar_host_bench.py, greedy): of 25,600 llguidance
-rows over the run 7,180 were computed, the rest copied; the rows near a string's maxLength, which cost llguidance up to ~8 ms each
-(a whole-trie walk), come in groups of equal histories.
+One mask per grammar state, not per row (share_masks): a mask is a function of the grammar state,
+and structured/state_keys.py gives each JSON-schema answer compiled by llguidance a key of its
+state that many rows reach (inside a free string: where it opened and how many characters it
+holds; completed free strings and numbers elided). A step computes one row per distinct key, the
+rows with the same key copy it, and the computed masks are kept by key across steps
+(engine/mask_cache.py, up to mask_cache_bytes), so a later row with a known key copies instead of
+asking the library. Answers of other constraints and libraries carry their text as the key
+(state_keys.TextTrack: equal texts, equal states): rows with equal texts share within a step. Why: llguidance reuses no mask between its matchers, and inside a
+maxLength-bounded string every position is a new state costing a walk of the whole token trie
+(~0.1-0.2 ms per row on a 151k vocabulary, up to 3 ms near the bound).
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,12 +28,25 @@ from typing import Any
 
 import torch
 
+from batchinfer.engine.mask_cache import MaskCache, copy_rows
 from batchinfer.engine.sequence import Sequence, SequenceStatus
 from batchinfer.structured.base import Constraint, GrammarError, GrammarMatcher
+from batchinfer.structured.state_keys import SchemaKeys, TextTrack
 
 MASK_BUFFERS = 3  # bitmask buffers reused round-robin (GrammarState._mask_buffer)
 
 Verdict = str | None  # per row: None (no grammar), "ok", "rejected" or "terminated" (accepted, grammar ended)
+
+
+@dataclass
+class RowPlan:
+    """How a step's rows get their masks: computed by the library, copied from another row of the
+    step, or taken from the cache; `first` maps each key met to the row that holds its mask."""
+
+    computed: list[int] = field(default_factory=list)
+    copies: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (rows, source rows)
+    first: dict[Hashable, int] = field(default_factory=dict)
+    store: tuple[list[Hashable], list[int]] = field(default_factory=lambda: ([], []))  # keys, computed rows
 
 
 @dataclass(frozen=True)
@@ -41,8 +55,7 @@ class StartedFill:
 
     pending: Any  # structured.compiler.PendingFill
     rows: list[int]  # the sampling rows it fills (computed or copied)
-    copies: tuple[list[int], list[int]] = ([], [])  # (rows, the computed row each copies)
-    first: dict[int, int] = field(default_factory=dict)  # grammar key -> the row computed for it
+    plan: RowPlan = field(default_factory=RowPlan)
 
 
 class GrammarState:
@@ -54,12 +67,14 @@ class GrammarState:
     (max_num_seqs); pin_memory: pin the bitmask buffers (a GPU engine: their copy to the device
     then does not wait for earlier queued work); compiler: a GrammarCompiler made elsewhere for this
     vocabulary and backend (or a Future of one), used instead of building one; share_masks: one
-    mask per grammar state (module docstring), False: one per row.
+    mask per grammar state (module docstring), False: one per row; mask_cache_bytes: how much the
+    masks kept across steps may take (0: shared within a step only).
     """
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, backend: str, eos_ids: Seq[int], fill_threads: int | None,
         max_rows: int, pin_memory: bool, compiler: Any = None, share_masks: bool = True,
+        mask_cache_bytes: int = 256 << 20,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -74,11 +89,14 @@ class GrammarState:
         self._masks: list[torch.Tensor] | None = None
         self._num_masks = 0
         self._share = share_masks
-        self._keys = itertools.count(1)  # grammar-state keys, never reused (Sequence.grammar_key)
-        self._start_keys: dict[Constraint, int] = {}  # the key of each compiled grammar's start
-        # rows filled by the library and rows given a copy, over this engine's life (benchmarks read them)
+        self._keyers: dict[Constraint, tuple[int, SchemaKeys | None]] = {}  # (grammar id, keys) per constraint
+        self._token_bytes: list[bytes] | None = None  # what each token adds to an answer's text
+        self._cache = MaskCache((vocab_size + 31) // 32, mask_cache_bytes if share_masks else 0)
+        # rows filled by the library, copied from a row of their step, and taken from the cache, over
+        # this engine's life (benchmarks read them)
         self.rows_computed = 0
         self.rows_copied = 0
+        self.rows_cached = 0
         self.fill_s = 0.0  # seconds the libraries' fills ran (PendingFill.fill_s), on any thread
 
     @property
@@ -98,12 +116,22 @@ class GrammarState:
         if isinstance(matcher, str):
             return matcher
         seq.matcher = matcher
-        if not self._share:  # keys are only read to share masks: without sharing none is kept
-            return None
-        if constraint not in self._start_keys:
-            self._start_keys[constraint] = next(self._keys)
-        seq.grammar_key = self._start_keys[constraint]
+        if self._share:  # keys are only read to share masks
+            gid, keys = self._keyer(constraint)
+            seq.grammar_track = (gid, keys.start() if keys is not None else TextTrack())
         return None
+
+    def _keyer(self, constraint: Constraint) -> tuple[int, SchemaKeys | None]:
+        """(grammar id, SchemaKeys or None) for answers of `constraint`: SchemaKeys where its
+        coarser keys apply, JSON schemas compiled by llguidance (they follow its counting rules)."""
+        if constraint not in self._keyers:
+            grammar = self._grammars.get(constraint)
+            ok = constraint.kind == "json_schema" and getattr(grammar, "backend", None) == "llguidance"
+            self._keyers[constraint] = (len(self._keyers), SchemaKeys(constraint.schema) if ok else None)
+            if self._token_bytes is None:
+                vocab = self._compiler.vocab
+                self._token_bytes = [b if vocab.is_normal(i) else b"" for i, b in enumerate(vocab.token_bytes)]
+        return self._keyers[constraint]
 
     def _grammar(self, constraint: Constraint):
         if constraint not in self._grammars:
@@ -136,20 +164,15 @@ class GrammarState:
         matchers = [rows[k][0].matcher for k in at]
         tokens = [rows[k][1] for k in at]
         accepted = self._compiler.accept_tokens(matchers, tokens)
-        step_keys: dict[tuple[int, int], int] = {}  # (key before, token) -> key after, this call only
+        token_bytes = self._token_bytes
         for k, m, token, ok in zip(at, matchers, tokens, accepted):
             verdicts[k] = ("terminated" if m.is_terminated() else "ok") if ok else "rejected"
-            if not self._share:
-                continue
-            seq = rows[k][0]
-            before = seq.grammar_key
-            if before is None or verdicts[k] != "ok":
-                seq.grammar_key = None
-                continue
-            after = step_keys.get((before, token))
-            if after is None:
-                after = step_keys[(before, token)] = next(self._keys)
-            seq.grammar_key = after
+            track = rows[k][0].grammar_track
+            if track is not None:
+                if verdicts[k] == "ok" and token < len(token_bytes):
+                    track[1].feed(token_bytes[token])
+                else:
+                    rows[k][0].grammar_track = None
         return verdicts
 
     def start_fill(
@@ -170,37 +193,51 @@ class GrammarState:
         if not rows:
             return None
         mask = self._mask_buffer(len(sampling))
-        first: dict[int, int] = {}
-        computed, copies = self._share_rows(sampling, rows, first)
-        pending = self._compiler.start_fill([sampling[r].matcher for r in computed], mask, computed)
-        return StartedFill(pending, rows, copies, first)
+        plan = self._plan(sampling, rows, {}, mask)
+        pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed)
+        return StartedFill(pending, rows, plan)
 
-    def _share_rows(
-        self, sampling: list[Sequence], rows: list[int], first: dict[int, int]
-    ) -> tuple[list[int], tuple[list[int], list[int]]]:
-        """Split `rows` into the rows to compute and (rows, source rows) to copy: a row whose
-        grammar key is already in `first` (key -> row computed for it) copies that row; `first`
-        gains the keys of the rows to compute."""
+    def _plan(self, sampling: list[Sequence], rows: list[int], first: dict[Hashable, int], mask: torch.Tensor) -> RowPlan:
+        """How `rows` get their masks (RowPlan); rows whose key the cache holds are written into
+        `mask` here. first: keys already held by a row of this step's mask (key -> row)."""
+        plan = RowPlan(first=first)
         if not self._share:
+            plan.computed = rows
             self.rows_computed += len(rows)
-            return rows, ([], [])
-        computed: list[int] = []
-        dst: list[int] = []
-        src: list[int] = []
+            return plan
+        hits: tuple[list[int], list[int]] = ([], [])  # (rows, cache slots)
         for r in rows:
-            key = sampling[r].grammar_key
+            track = sampling[r].grammar_track
+            key = track[1].key() if track is not None else None
             if key is None:
-                computed.append(r)
+                plan.computed.append(r)
                 continue
-            at = first.setdefault(key, r)
-            if at == r:
-                computed.append(r)
+            key = (track[0], key)
+            at = first.get(key)
+            if at is not None:
+                plan.copies[0].append(r)
+                plan.copies[1].append(at)
+                continue
+            first[key] = r
+            slot = self._cache.lookup(key)
+            if slot is not None:
+                hits[0].append(r)
+                hits[1].append(slot)
             else:
-                dst.append(r)
-                src.append(at)
-        self.rows_computed += len(computed)
-        self.rows_copied += len(dst)
-        return computed, (dst, src)
+                plan.computed.append(r)
+                if track[1].keeps:
+                    plan.store[0].append(key)
+                    plan.store[1].append(r)
+        self._cache.gather(hits[1], mask, hits[0])
+        self.rows_computed += len(plan.computed)
+        self.rows_copied += len(plan.copies[0])
+        self.rows_cached += len(hits[0])
+        return plan
+
+    def _finish(self, mask: torch.Tensor, plan: RowPlan) -> None:
+        """After the library filled plan.computed: keep the new keyed masks, copy rows within the step."""
+        self._cache.store(plan.store[0], mask, plan.store[1])
+        copy_rows(mask, plan.copies[0], mask, plan.copies[1])
 
     def bitmask(self, sampling: list[Sequence], live: list[bool], fill: StartedFill | None = None) -> torch.Tensor | None:
         """int32 CPU bitmask for the sampling rows, or None when no live row has a grammar (rows of
@@ -211,7 +248,7 @@ class GrammarState:
         mask = fill.pending.wait() if fill is not None else None
         if fill is not None:
             self.fill_s += fill.pending.fill_s
-            _copy_rows(mask, fill.copies)  # before the reset below: a stale row may be a source
+            self._finish(mask, fill.plan)  # before the reset below: a stale row may be a source
         rows = [row for row, (seq, ok) in enumerate(zip(sampling, live)) if seq.matcher is not None and ok]
         if not rows:
             return None
@@ -224,15 +261,16 @@ class GrammarState:
             if stale:
                 mask[stale] = -1
             missing = [r for r in rows if r not in filled]
-            first = {k: r for k, r in fill.first.items() if live[r]}  # a reset row is no source
+            first = {k: r for k, r in fill.plan.first.items() if live[r]}  # a reset row is no source
         if missing:
-            computed, copies = self._share_rows(sampling, missing, first)
+            plan = self._plan(sampling, missing, first, mask)
             # one batched call per grammar library, on the library's own threads (GIL released)
-            if computed:
-                pending = self._compiler.start_fill([sampling[r].matcher for r in computed], mask, computed, background=False)
+            if plan.computed:
+                pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
+                                                    background=False)
                 pending.wait()
                 self.fill_s += pending.fill_s
-            _copy_rows(mask, copies)
+            self._finish(mask, plan)
         return mask
 
     def _mask_buffer(self, rows: int) -> torch.Tensor:
@@ -259,10 +297,3 @@ class GrammarState:
         self._compiler = None
         self._grammars = {}
         self._masks = None
-
-
-def _copy_rows(mask: torch.Tensor, copies: tuple[list[int], list[int]]) -> None:
-    """mask[dst[k]] = mask[src[k]] for every k, in one indexed copy."""
-    dst, src = copies
-    if dst:
-        mask[torch.as_tensor(dst, dtype=torch.long)] = mask[torch.as_tensor(src, dtype=torch.long)]

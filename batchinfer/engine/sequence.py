@@ -62,9 +62,9 @@ class Sequence:
     # Engine-side helpers and results.
     detokenizer: Any = None
     matcher: Any = None
-    # which grammar state the matcher is in, among this engine's matchers (engine/grammar.py
-    # GrammarState): equal keys, equal masks; None: unknown (its mask is never shared)
-    grammar_key: int | None = None
+    # (grammar id, structured.state_keys.KeyTrack) following the answer's grammar state, so rows
+    # in equal states share one mask (engine/grammar.py GrammarState); None: its mask is its own
+    grammar_track: Any = None
     # (temperature, top_p, min_p, top_k, folded seed, greedy) as the sampler wants them, resolved
     # once by the model runner (sampling parameters never change during a request)
     sampling_row: tuple | None = None

@@ -20,7 +20,7 @@ maxLength-bounded string every position is a new state costing a walk of the who
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -46,6 +46,7 @@ class RowPlan:
     computed: list[int] = field(default_factory=list)
     copies: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (rows, source rows)
     first: dict[Hashable, int] = field(default_factory=dict)
+    hits: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (rows, cache slots)
     store: tuple[list[Hashable], list[int]] = field(default_factory=lambda: ([], []))  # keys, computed rows
 
 
@@ -193,19 +194,19 @@ class GrammarState:
         if not rows:
             return None
         mask = self._mask_buffer(len(sampling))
-        plan = self._plan(sampling, rows, {}, mask)
-        pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed)
+        plan = self._plan(sampling, rows, {})
+        pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
+                                            before=self._gather(plan, mask))
         return StartedFill(pending, rows, plan)
 
-    def _plan(self, sampling: list[Sequence], rows: list[int], first: dict[Hashable, int], mask: torch.Tensor) -> RowPlan:
-        """How `rows` get their masks (RowPlan); rows whose key the cache holds are written into
-        `mask` here. first: keys already held by a row of this step's mask (key -> row)."""
+    def _plan(self, sampling: list[Sequence], rows: list[int], first: dict[Hashable, int]) -> RowPlan:
+        """How `rows` get their masks (RowPlan). first: keys already held by a row of this step's
+        mask (key -> row)."""
         plan = RowPlan(first=first)
         if not self._share:
             plan.computed = rows
             self.rows_computed += len(rows)
             return plan
-        hits: tuple[list[int], list[int]] = ([], [])  # (rows, cache slots)
         for r in rows:
             track = sampling[r].grammar_track
             key = track[1].key() if track is not None else None
@@ -221,18 +222,25 @@ class GrammarState:
             first[key] = r
             slot = self._cache.lookup(key)
             if slot is not None:
-                hits[0].append(r)
-                hits[1].append(slot)
+                plan.hits[0].append(r)
+                plan.hits[1].append(slot)
             else:
                 plan.computed.append(r)
                 if track[1].keeps:
                     plan.store[0].append(key)
                     plan.store[1].append(r)
-        self._cache.gather(hits[1], mask, hits[0])
         self.rows_computed += len(plan.computed)
         self.rows_copied += len(plan.copies[0])
-        self.rows_cached += len(hits[0])
+        self.rows_cached += len(plan.hits[0])
         return plan
+
+    def _gather(self, plan: RowPlan, mask: torch.Tensor) -> Callable[[], None] | None:
+        """The copy of the plan's cached rows into `mask` (run by the fill, on its helper thread: a
+        numpy copy holds no GIL), or None when there is none. The cache is not touched again
+        until the fill is waited for (slots looked up now stay valid until then)."""
+        if not plan.hits[0]:
+            return None
+        return lambda: self._cache.gather(plan.hits[1], mask, plan.hits[0])
 
     def _finish(self, mask: torch.Tensor, plan: RowPlan) -> None:
         """After the library filled plan.computed: keep the new keyed masks, copy rows within the step."""
@@ -263,7 +271,10 @@ class GrammarState:
             missing = [r for r in rows if r not in filled]
             first = {k: r for k, r in fill.plan.first.items() if live[r]}  # a reset row is no source
         if missing:
-            plan = self._plan(sampling, missing, first, mask)
+            plan = self._plan(sampling, missing, first)
+            gather = self._gather(plan, mask)
+            if gather is not None:
+                gather()
             # one batched call per grammar library, on the library's own threads (GIL released)
             if plan.computed:
                 pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,

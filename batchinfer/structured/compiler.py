@@ -21,7 +21,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -190,23 +190,28 @@ class GrammarCompiler:
         self.start_fill(matchers, bitmask, indices, background=False).wait()
 
     def start_fill(
-        self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, indices: Sequence[int], background: bool = True
+        self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, indices: Sequence[int], background: bool = True,
+        before: Callable[[], None] | None = None,
     ) -> "PendingFill":
         """Begin filling rows indices[k] of `bitmask` for matchers[k]; PendingFill.wait() completes it.
 
         With background=True the backends whose fill holds no GIL (GrammarBackend.fills_in_background)
         start at once on a helper thread, so the caller can keep working (the engine post-processes
         the other rows of a step meanwhile); everything else runs in wait(). Until wait() returns,
-        the matchers must not be advanced and the bitmask not read.
+        the matchers must not be advanced and the bitmask not read. before: work on other rows of
+        the bitmask that runs first, on the same thread as the early fills (GIL-free work, such as a
+        numpy copy of cached rows) or in wait().
         """
         batches = [
             (backend, [matchers[k] for k in ks], [int(indices[k]) for k in ks])
             for backend, ks in self._by_backend(matchers)
         ]
         early = [x for x in batches if background and x[0].fills_in_background]
-        if not early:
+        if not early and not (background and before is not None):
+            if before is not None:
+                before()
             return PendingFill(bitmask, batches, None, set())
-        future = self._fill_thread().submit(_fill_all, early, bitmask)
+        future = self._fill_thread().submit(_fill_all, early, bitmask, before)
         return PendingFill(bitmask, batches, future, {id(b) for b, _, _ in early})
 
     def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
@@ -237,9 +242,12 @@ class GrammarCompiler:
             pool.shutdown(wait=True)
 
 
-def _fill_all(batches: list[tuple[Any, list[Any], list[int]]], bitmask: torch.Tensor) -> float:
-    """Run each backend's library fill (on the helper thread: these release the GIL); the seconds it took."""
+def _fill_all(batches: list[tuple[Any, list[Any], list[int]]], bitmask: torch.Tensor, before: Any = None) -> float:
+    """Run `before`, then each backend's library fill (on the helper thread: these release the GIL);
+    the seconds it took."""
     t = time.perf_counter()
+    if before is not None:
+        before()
     for backend, ms, idx in batches:
         backend.fill_rows(ms, bitmask, idx)
     return time.perf_counter() - t

@@ -234,6 +234,7 @@ def measure_workload(
     jit_before = _jit_snapshot()
     if before_measure is not None:
         before_measure()
+    grammar0 = _grammar_counts(engine)
     t0 = time.perf_counter()
     results = list(engine.generate(wl.requests))
     if cuda:
@@ -330,11 +331,26 @@ def measure_workload(
         "cpu_share_of_step": (sum(cpu_ms) / sum(step_ms)) if cpu_ms and step_ms and sum(step_ms) > 0 else None,
         "step_breakdown": breakdown,
         "speculative": spec_summary(steps) if cfg.speculative is not None else None,
+        "grammar_masks": _grammar_masks(engine, grammar0),
         "oracle_corrupt": oracle_corrupt if speculative == "oracle" else None,
         "kernels_compiled_during_run": compiled,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def _grammar_counts(engine: object) -> tuple[int, int, int, float]:
+    g = engine.grammar
+    return g.rows_computed, g.rows_copied, g.rows_cached, g.fill_s
+
+
+def _grammar_masks(engine: object, before: tuple[int, int, int, float]) -> dict | None:
+    """How the measured run's grammar rows got their masks (engine/grammar.py): computed by the
+    library, copied within a step, or taken from the cache by state; seconds the fills ran."""
+    computed, copied, cached, fill_s = (a - b for a, b in zip(_grammar_counts(engine), before))
+    if not computed + copied + cached:
+        return None
+    return {"computed": computed, "copied": copied, "cached": cached, "fill_s": fill_s}
 
 
 def _record_oracle(cfg: EngineConfig, workload: str, scale: float, shard, spec_tokens: int, corrupt: float):
@@ -504,6 +520,15 @@ def format_report(r: dict) -> str:
         big = max(groups, key=lambda g: g["share"])
         phases = ", ".join(f"{k} {v:.2f}" for k, v in big.get("mean_host_phases_ms", {}).items())
         lines.append(f"  host ms per step in '{big['group']}' (device idle {big.get('mean_device_idle_ms', 0):.2f}): {phases}")
+        full = next((g for g in groups if g["group"] == "decode 193+ rows"), None)
+        if full is not None and full is not big:
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in full.get("mean_host_phases_ms", {}).items())
+            lines.append(f"  host ms per step in '{full['group']}' (device idle {full.get('mean_device_idle_ms', 0):.2f}): {phases}")
+    gm = r.get("grammar_masks")
+    if gm:
+        total = gm["computed"] + gm["copied"] + gm["cached"]
+        lines.append(f"grammar masks: {total:,} rows: computed {gm['computed']:,} ({100 * gm['computed'] / total:.1f}%), "
+                     f"copied within a step {gm['copied']:,}, from the cache {gm['cached']:,}; fills ran {gm['fill_s']:.2f} s")
     if r.get("data_parallel", 1) > 1:
         lines.append(
             f"data parallel: {r['data_parallel']} engines, aggregate {r['output_tokens_per_s']:,.0f} output tok/s; "

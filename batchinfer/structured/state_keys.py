@@ -125,7 +125,7 @@ class TextTrack:
     def __init__(self) -> None:
         self._text = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes, leads: int | None = None) -> None:
         self._text += data
 
     def key(self) -> bytes:
@@ -158,6 +158,7 @@ class KeyTrack:
         "_lex",
         "_lost",
         "_node_at_lexeme",
+        "_pending",
         "_prefix",
         "_root_done",
         "_s",
@@ -177,6 +178,7 @@ class KeyTrack:
         self._esc = False  # the last byte was a backslash inside a string
         self._prefix = b""  # bytes(skel) at the free string's opening quote
         self._chars = 0  # lead bytes (code points begun) in the free string
+        self._pending = b""  # an unfinished UTF-8 character at the end of the free string
         self._lost = False
         self._node_at_lexeme: dict | None = None  # the schema position of the number in progress
 
@@ -184,22 +186,28 @@ class KeyTrack:
         if self._lost:
             return None
         if self._lex == "str" and self._free and not self._escaped:
-            pending = _pending_utf8(self._text)
+            pending = self._pending
             return (self._prefix, self._chars - (1 if pending else 0), pending)
         return bytes(self._skel) + self._text if self._lex else bytes(self._skel)
 
-    def feed(self, data: bytes) -> None:
-        """The bytes of one accepted token."""
+    def feed(self, data: bytes, leads: int | None = None) -> None:
+        """The bytes of one accepted token. leads: plain_leads(data), precomputed per token."""
         if self._lost or not data:
             return
-        if self._lex == "str" and self._free and not self._escaped and not self._esc and _plain(data):
-            self._text += data  # the common case: characters inside a free string
-            self._chars += sum(1 for b in data if b & 0xC0 != 0x80)
-            return
+        if self._lex == "str" and self._free and not self._escaped and not self._esc:
+            if leads is None:
+                leads = plain_leads(data)
+            if leads >= 0:  # the common case: characters inside a free string
+                self._text += data
+                self._chars += leads
+                self._pending = _pending_utf8(self._text) if data[-1] >= 0x80 else b""
+                return
         for b in data:
             self._byte(b)
             if self._lost:
                 return
+        if self._lex == "str" and self._free:
+            self._pending = _pending_utf8(self._text)
 
     # --- the byte machine ----------------------------------------------------------------------
 
@@ -341,9 +349,12 @@ class KeyTrack:
         self._free = self._escaped = self._esc = False
 
 
-def _plain(data: bytes) -> bool:
-    """No quote, backslash or control byte: the bytes stay inside a string as its characters."""
-    return b'"' not in data and b"\\" not in data and min(data) >= 0x20
+def plain_leads(data: bytes) -> int:
+    """How many characters `data` begins (UTF-8 lead bytes) when it has no quote, backslash or
+    control byte (then it stays inside a string as its characters); -1 otherwise."""
+    if not data or b'"' in data or b"\\" in data or min(data) < 0x20:
+        return -1
+    return sum(1 for b in data if b & 0xC0 != 0x80)
 
 
 def _pending_utf8(text: bytearray) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -53,3 +54,48 @@ def test_histograms_are_one_outline_with_the_counts_numpy_gives():
     whole, sched = fig.axes[0].patches
     assert whole.get_data().values.tolist() == np.histogram([1.0, 2.0, 2.5, 9.0], bins=50)[0].tolist()
     assert sched.get_data().values.sum() == 5 and fig.axes[0].get_ylim()[0] == 0
+
+
+def _inside(fig) -> None:
+    """Every label of the drawn figure lies on it, and no axis label runs into its tick labels."""
+    from batchinfer.observe import margins
+
+    canvas = margins.fit(fig)
+    canvas.draw()
+    r = canvas.get_renderer()
+    tight = fig.get_tightbbox(r)  # inches, of what was drawn
+    w, h = fig.get_size_inches()
+    assert tight.x0 >= -0.01 and tight.y0 >= -0.01 and tight.x1 <= w + 0.01 and tight.y1 <= h + 0.01, (tight, w, h)
+    for ax in fig.axes:
+        assert ax.bbox.width > 50 and ax.bbox.height > 30
+        for axis, lo, hi in ((ax.xaxis, ax.bbox.x0, ax.bbox.x1), (ax.yaxis, ax.bbox.y0, ax.bbox.y1)):
+            if not axis.get_visible() or not axis.label.get_text():
+                continue
+            label = axis.label.get_window_extent(r)
+            for t in axis.get_ticklabels():
+                b = t.get_window_extent(r)
+                middle = (b.x0 + b.x1) / 2 if axis is ax.xaxis else (b.y0 + b.y1) / 2
+                if t.get_visible() and t.get_text() and lo - 1 <= middle <= hi + 1:  # a tick that is drawn
+                    assert not label.overlaps(b), (axis.label.get_text(), t.get_text())
+
+
+@pytest.mark.parametrize("scale,seconds,value", [(0.01, 0.5, "a"), (3e5, 7200.0, "letter"),
+                                                 (1e7, 60.0, "a much longer answer value, as enums of real schemas have")])
+def test_figures_fit_their_labels_at_any_scale(scale, seconds, value):
+    import polars as pl
+
+    n = 400
+    t = np.linspace(0.01, seconds, n)
+    steps = pl.DataFrame({
+        "elapsed": t, "num_prefill_tokens": (np.arange(n) % 7 * scale).astype(np.int64),
+        "num_decode_tokens": np.full(n, int(scale) + 1), "num_running": (np.arange(n) % 300).astype(np.int64),
+        "num_waiting": np.full(n, int(scale)), "kv_blocks_used": np.arange(n), "kv_blocks_free": np.full(n, 1000),
+        "step_ms": t * scale + 1, "schedule_ms": t,
+    })
+    rows = pl.DataFrame({"elapsed": t, "prompt_tokens": (np.arange(n) * scale).astype(np.int64) + 1,
+                         "completion_tokens": np.arange(n) % 50})
+    lat = {k: {"count": n, "p50": scale, "p90": 2 * scale, "p99": 3 * scale} for k in plots.LATENCY_COLUMNS}
+    for fig in (plots.throughput(steps, rows), plots.occupancy(steps), plots.lengths(rows), plots.step_times(steps),
+                plots.latency({"latency_s": lat}), plots.value_counts("field", [(value, 3), ("b", int(scale) + 1)], 10),
+                plots.histogram("h", [0.0, scale, 2 * scale], [3, 4], False)):
+        _inside(fig)

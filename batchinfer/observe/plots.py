@@ -1,5 +1,5 @@
 """The report's matplotlib figures, made with the object API (Figure, never pyplot): drawing keeps no
-global state and needs no display. Every rate axis starts at 0; token-count histograms use whole-token
+global state and needs no display. Each is one row of plots; pagekit.png places them (margins.py). Every rate axis starts at 0; token-count histograms use whole-token
 bins.
 
 Drawing is kept cheap, because the page is written at the end of every run and holds up its exit code:
@@ -12,6 +12,7 @@ its points.
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,7 @@ def _hist(ax: Any, values: Any, bins: Any, **kw: Any) -> None:
 
 def throughput(steps: pl.DataFrame, rows: pl.DataFrame) -> Figure:
     """Prefill and decode tokens per second, and rows finished per second, over the run."""
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    fig = Figure(figsize=(9, 3.6))
     ax = fig.add_subplot()
     ax.set_title("Throughput over time")
     if steps.height == 0:
@@ -105,7 +106,7 @@ def throughput(steps: pl.DataFrame, rows: pl.DataFrame) -> Figure:
 
 def occupancy(steps: pl.DataFrame) -> Figure:
     """Running and waiting sequences, and the share of KV blocks in use, per step over the run."""
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    fig = Figure(figsize=(9, 3.6))
     ax = fig.add_subplot()
     ax.set_title("Sequences and KV cache use")
     if steps.height == 0:
@@ -139,7 +140,7 @@ def integer_bins(values: list[int], max_bins: int = 50) -> list[float]:
 
 def lengths(rows: pl.DataFrame) -> Figure:
     """Histograms of prompt and output lengths (tokens, whole-token bins)."""
-    fig = Figure(figsize=(9, 3.2), layout="constrained")
+    fig = Figure(figsize=(9, 3.2))
     for i, (col, title) in enumerate((("prompt_tokens", "Prompt length"), ("completion_tokens", "Output length"))):
         ax = fig.add_subplot(1, 2, i + 1)
         ax.set_title(title)
@@ -156,7 +157,7 @@ def lengths(rows: pl.DataFrame) -> Figure:
 
 def latency(report: dict[str, Any]) -> Figure:
     """p50/p90/p99 of queue wait, time to first token, decode time and row latency."""
-    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    fig = Figure(figsize=(9, 3.4))
     ax = fig.add_subplot()
     ax.set_title("Latency percentiles")
     names = list(LATENCY_COLUMNS)
@@ -176,7 +177,7 @@ def latency(report: dict[str, Any]) -> Figure:
 
 def step_times(steps: pl.DataFrame) -> Figure:
     """Distribution of step wall time and of its host-side scheduling part."""
-    fig = Figure(figsize=(9, 3.2), layout="constrained")
+    fig = Figure(figsize=(9, 3.2))
     ax = fig.add_subplot()
     ax.set_title("Engine step time")
     if steps.height == 0:
@@ -190,13 +191,23 @@ def step_times(steps: pl.DataFrame) -> Figure:
     return fig
 
 
+def _label(text: str, width: int = 28) -> str:
+    """A category label on at most two lines of `width` characters (longer ones end in an ellipsis)."""
+    if len(text) <= width:
+        return text
+    lines = textwrap.wrap(text, width, break_long_words=True) or [text[:width]]
+    if len(lines) > 2:
+        lines = [lines[0], " ".join(lines[1:])[: width - 1] + "\u2026"]
+    return "\n".join(lines)
+
+
 def value_counts(title: str, counts: list[tuple[str, int]], total: int) -> Figure:
     """Horizontal bars of how often each value was answered, labelled with its share."""
     shown = counts[:MAX_BARS]
-    fig = Figure(figsize=(4.6, 0.45 * len(shown) + 1.1), layout="constrained")
+    fig = Figure(figsize=(4.6, 0.45 * len(shown) + 1.1))
     ax = fig.add_subplot()
     ax.set_title(title, fontsize=10)
-    labels = [str(k) for k, _ in shown][::-1]
+    labels = [_label(str(k)) for k, _ in shown][::-1]
     values = [c for _, c in shown][::-1]
     bars = ax.barh(labels, values, color="tab:blue")
     for bar, v in zip(bars, values):
@@ -210,7 +221,7 @@ def value_counts(title: str, counts: list[tuple[str, int]], total: int) -> Figur
 
 def histogram(title: str, edges: list[float], counts: list[int], integer: bool) -> Figure:
     """A histogram drawn from precomputed bins (the report keeps the bins, not the values)."""
-    fig = Figure(figsize=(4.6, 2.6), layout="constrained")
+    fig = Figure(figsize=(4.6, 2.6))
     ax = fig.add_subplot()
     ax.set_title(title, fontsize=10)
     if not counts:

@@ -4,8 +4,8 @@
 
 matplotlib and the page module are imported first (a run imports them ahead, on a preflight
 thread), then per repeat: the whole write_report (both files), and its parts: loading the records
-and the numbers (build_report), the JSON, and per figure building it, drawing it with Agg, encoding
-the PNG and base64. --cprofile N prints the N most expensive functions of one more write_report.
+and the numbers (build_report), the JSON, and per figure building it, its layout (constrained layout, or
+margins.fit), drawing it with Agg, encoding the PNG (PIL) and base64. --cprofile N prints the N most expensive functions of one more write_report.
 The report files in OUT_DIR's records folder are rewritten.
 """
 
@@ -37,7 +37,11 @@ def main() -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from PIL import Image
 
-    PNG = getattr(pagekit, "PIL_PNG", {})
+    PNG = getattr(pagekit, "PNG_OPTIONS", {})
+    try:
+        from batchinfer.observe import margins
+    except ImportError:  # before margins.py
+        margins = None
 
     print(f"import page (matplotlib): {time.perf_counter() - t:.3f} s (a run does this ahead)")
     facts = report.previous_facts(a.out_dir)
@@ -75,6 +79,8 @@ def main() -> None:
             t = time.perf_counter()
             if engine is not None:
                 engine.execute(fig)  # constrained layout: text extents of every label
+            elif margins is not None:
+                margins.fit(fig)  # margins from the strings that take room
             t_layout = time.perf_counter() - t
             fig.set_layout_engine("none")
             t = time.perf_counter()

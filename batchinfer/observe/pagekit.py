@@ -37,12 +37,16 @@ def esc(x: Any) -> str:
     return html.escape("" if x is None else str(x))
 
 
+# zlib level 3, not PIL's 6: half the encoding time of the page's plots for ~10% more bytes
+PNG_OPTIONS = {"compress_level": 3}
+
+
 def png(fig: Figure, dpi: int = 100) -> str:
     """The figure as a data URI; a figure without a layout engine gets its margins from margins.fit."""
     if fig.get_layout_engine() is None:
         margins.fit(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=dpi, pil_kwargs=dict(PNG_OPTIONS))
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 

@@ -32,7 +32,7 @@ def test_envelope_keeps_the_ends_and_every_columns_extremes(ys, columns, span):
     assert all((a, b) in pairs for a, b in zip(ex.tolist(), ey.tolist()))
     # per column (equal x width): the same lowest and highest value as all the points
     lo, hi = x[0], x[-1]
-    col = lambda v: np.minimum(((v - lo) / ((hi - lo) or 1.0) * columns).astype(np.int64), columns - 1)  # noqa: E731
+    col = lambda v: np.minimum(((v - lo) / ((hi - lo) or 1.0) * columns).astype(np.int64), columns - 1)
     c, ec = col(x), col(ex)
     for k in np.unique(c):
         assert ey[ec == k].min() == y[c == k].min() and ey[ec == k].max() == y[c == k].max()

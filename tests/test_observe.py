@@ -445,3 +445,26 @@ def test_busy_metrics_port_is_named(tmp_path):
         port = s.getsockname()[1]
         with pytest.raises(OSError, match=f"--metrics-port {port}"):
             Observer(ObserveOptions(out_dir=tmp_path / "o", metrics_port=port))
+
+
+def test_report_json_and_textfile_are_written_before_the_page(tmp_path, monkeypatch):
+    """What other tools read (report.json, the node-exporter textfile) does not wait for the plots, and
+    survives a page that fails to draw."""
+    from batchinfer.observe import observer as observer_module
+
+    out, textfile, seen = tmp_path / "o", tmp_path / "m.prom", {}
+
+    def page(out_dir, report, steps, rows):
+        seen.update(json=layout.report_json_path(out_dir).exists(), textfile=textfile.exists(),
+                    html=layout.report_html_path(out_dir).exists(), steps=steps.height, rows=rows.height)
+        raise RuntimeError("no plots today")
+
+    monkeypatch.setattr(observer_module, "write_report_page", page)
+    obs = Observer(ObserveOptions(out_dir=out, metrics_textfile=textfile))
+    sim = simulate(12, start=obs.t0)
+    feed(obs, sim.events)
+    with pytest.raises(RuntimeError, match="no plots today"):
+        obs.close()
+    assert seen["json"] and seen["textfile"] and not seen["html"] and seen["rows"] == 12 and seen["steps"] > 0
+    assert json.loads(layout.report_json_path(out).read_text())["totals"]["rows"] == 12
+    assert obs.report is not None and obs.report["totals"]["rows"] == 12

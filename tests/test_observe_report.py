@@ -210,9 +210,11 @@ def test_plot_axes_start_at_zero_and_token_bins_are_whole(runs):
     steps, rows, _ = load_records(runs["s"])
     fig = plots.throughput(steps, rows)
     assert len(fig.axes) == 2 and all(ax.get_ylim()[0] == 0 for ax in fig.axes)  # tokens/s and rows/s
-    for ax in plots.lengths(rows).axes:
-        edges = sorted({round(p.get_x(), 6) for p in ax.patches} | {round(p.get_x() + p.get_width(), 6) for p in ax.patches})
-        assert all(abs(e % 1 - 0.5) < 1e-6 for e in edges)
+    for ax, column in zip(plots.lengths(rows).axes, ("prompt_tokens", "completion_tokens")):
+        (outline,) = ax.patches  # one filled step outline per histogram
+        data = outline.get_data()
+        assert all(abs(e % 1 - 0.5) < 1e-6 for e in data.edges)
+        assert data.values.sum() == rows.get_column(column).drop_nulls().len() and ax.get_ylim()[0] == 0
 
 
 @given(st.lists(st.integers(0, 5000), min_size=1, max_size=200))

@@ -65,8 +65,8 @@ def read_tables(paths: list[Location], columns: list[str] | None) -> list[pa.Tab
     """The given columns of each Parquet file, in order. Remote files are read a few at a time."""
 
     def one(loc: Location) -> pa.Table:
-        with loc.open_input_file() as fh:
-            return pq.read_table(fh, columns=columns)
+        with loc.open_input_file() as fh:  # ParquetFile, not read_table: its dataset layer imports pandas
+            return pq.ParquetFile(fh).read(columns=columns)
 
     if not paths or paths[0].atomic_rename or len(paths) == 1:
         return [one(p) for p in paths]

@@ -39,7 +39,7 @@ from batchinfer.observe.records import (
     row_record,
     step_record,
 )
-from batchinfer.observe.report import summary_text, write_report
+from batchinfer.observe.report import summary_text, write_report_json, write_report_page
 from batchinfer.observe.tokenlog import TokenLog
 from batchinfer.observe.trace import StepTracer, TraceConfig
 
@@ -112,6 +112,7 @@ class Observer:
         )
         self.closed = False
         self.report: dict[str, Any] | None = None
+        self._frames: list[Any] = []  # the step and row frames of report.json, for the page
         log.debug("observer %s on %s", self.run_id, self.out_dir)
 
     def on_step(self, stats: StepStats) -> None:
@@ -178,12 +179,15 @@ class Observer:
             steps.append(self.token_log.compact)
         if self.tracer is not None:
             steps.append(self.tracer.close)
+        # what other tools read first (report.json, the textfile), the page with its plots last
         if self.options.report:
-            steps.append(lambda: self._write_report(summary))
+            steps.append(lambda: self._write_report_json(summary))
         if self.metrics is not None and self.options.metrics_textfile is not None:
             steps.append(lambda: self.metrics.write_textfile(self.options.metrics_textfile))  # type: ignore[union-attr]
         if self.metrics is not None:
             steps.append(self.metrics.stop)
+        if self.options.report:
+            steps.append(self._write_report_page)
         failed = None
         for step in steps:
             try:
@@ -195,9 +199,16 @@ class Observer:
             raise failed
         return self.report
 
-    def _write_report(self, summary: dict[str, Any]) -> None:
-        self.report = write_report(self.out_dir, summary)
+    def _write_report_json(self, summary: dict[str, Any]) -> None:
+        self.report, *self._frames = write_report_json(self.out_dir, summary)
         log.info("%s", summary_text(self.report))
+
+    def _write_report_page(self) -> None:
+        if self.report is None:  # report.json failed (logged): no page from half a report
+            return
+        steps, rows = self._frames
+        self._frames = []
+        write_report_page(self.out_dir, self.report, steps, rows)
 
     def abort(self) -> None:
         """The run failed: keep its records (the resumed run's report includes them), write no report,

@@ -16,6 +16,8 @@ from typing import Any, Iterable
 
 from matplotlib.figure import Figure
 
+from batchinfer.observe import margins
+
 CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222;padding:0 1em}
 h1{font-size:1.6em;margin-bottom:.1em}h2{font-size:1.2em;margin-top:1.8em;border-bottom:1px solid #ddd}
@@ -35,10 +37,16 @@ def esc(x: Any) -> str:
     return html.escape("" if x is None else str(x))
 
 
+# zlib level 3, not PIL's 6: half the encoding time of the page's plots for ~10% more bytes
+PNG_OPTIONS = {"compress_level": 3}
+
+
 def png(fig: Figure, dpi: int = 100) -> str:
-    """The figure as a data URI."""
+    """The figure as a data URI; a figure without a layout engine gets its margins from margins.fit."""
+    if fig.get_layout_engine() is None:
+        margins.fit(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=dpi, pil_kwargs=dict(PNG_OPTIONS))
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 

@@ -319,17 +319,31 @@ def build_report(out_dir: "str | Path | Location", run: dict[str, Any] | None = 
 
 
 def write_report(out_dir: "str | Path | Location", run: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write `report.json` and `report.html` in out_dir's records folder (io/layout.py); returns the report dict."""
-    from batchinfer.observe.page import render_html  # matplotlib is imported only when a page is drawn
+    """Write `report.json` and then `report.html` in out_dir's records folder (io/layout.py); returns the report dict."""
+    report, steps, rows = write_report_json(out_dir, run)
+    write_report_page(out_dir, report, steps, rows)
+    return report
 
+
+def write_report_json(out_dir: "str | Path | Location", run: dict[str, Any] | None = None) -> tuple[dict[str, Any], pl.DataFrame, pl.DataFrame]:
+    """Write `report.json` (what downstream tools read; no plot is drawn for it); returns (report, steps,
+    rows) for write_report_page."""
     out = layout.output_dir(out_dir)
     report, steps, rows = build_report(out, run)
-    json_path, html_path = layout.report_json_path(out), layout.report_html_path(out)
+    json_path = layout.report_json_path(out)
     json_path.parent.makedirs()
     json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    log.info("wrote %s", json_path)
+    return report, steps, rows
+
+
+def write_report_page(out_dir: "str | Path | Location", report: dict[str, Any], steps: pl.DataFrame, rows: pl.DataFrame) -> None:
+    """Write `report.html` (the plots: most of the report's time) from what write_report_json returned."""
+    from batchinfer.observe.page import render_html  # matplotlib is imported only when a page is drawn
+
+    html_path = layout.report_html_path(out_dir)
     html_path.write_text(render_html(report, steps, rows))
-    log.info("wrote %s and %s", json_path, html_path)
-    return report
+    log.info("wrote %s", html_path)
 
 
 def summary_text(report: dict[str, Any]) -> str:

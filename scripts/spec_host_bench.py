@@ -12,7 +12,8 @@ temperature 0.6, ignore_eos) with lengths shrunk by `--scale`; it runs plain onc
 request's output, then with oracle drafts (bench/oracle.py, `--spec-tokens` per step, a share
 `--corrupt` corrupted) `--repeats` times. Reported per run: the mean host ms per phase over the
 decode-only verify steps with at least `--min-rows` rows (StepStats.phases_ms; `read_tokens` and
-`launch` are mostly the forward and sampling, the device's part on the CPU), and a fingerprint
+`launch` are mostly the forward and sampling, the device's part on the CPU; `sampling_batch`, the
+host part of the sampling inside read_tokens, is timed apart and counted as host), and a fingerprint
 (sha256) of all outputs, which must equal the plain run's.
 """
 
@@ -40,6 +41,20 @@ def model_folder(out: Path) -> Path:
     return out
 
 
+class Timed:
+    """A callable that times every call of `fn` (total_ms)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.total_ms = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.total_ms += (time.perf_counter() - t) * 1000.0
+
+
 def fingerprint(results) -> str:
     digest = hashlib.sha256()
     for r in sorted(results, key=lambda r: r.request_id):
@@ -60,14 +75,26 @@ def run_spec(folder: Path, requests, truth, args) -> dict:
 
     steps = []
     spec = {"method": "ngram+grammar", "num_tokens": args.spec_tokens}
-    with Engine(engine_config(folder, spec), on_step=steps.append,
+    batch_ms: list[float] = []  # per step: host ms building the sampler's inputs (inside read_tokens)
+
+    def on_step(stats) -> None:
+        steps.append(stats)
+        batch_ms.append(timer.total_ms - sum(batch_ms))
+
+    with Engine(engine_config(folder, spec), on_step=on_step,
                 drafter=oracle_drafter(truth, args.corrupt, args.vocab, seed=0)) as engine:
+        timer = Timed(engine.runner.sampling_batch)
+        engine.runner.sampling_batch = timer
         t0 = time.perf_counter()
         results = list(engine.generate(requests))
         wall = time.perf_counter() - t0
-    verify = [s for s in steps if s.num_prefill_tokens == 0 and s.spec_rows and s.spec_decode_rows >= args.min_rows]
+    picked = [i for i, s in enumerate(steps)
+              if s.num_prefill_tokens == 0 and s.spec_rows and s.spec_decode_rows >= args.min_rows]
+    verify = [steps[i] for i in picked]
     names = sorted({k for s in verify for k in s.phases_ms})
     phases = {k: statistics.fmean(s.phases_ms.get(k, 0.0) for s in verify) for k in names} if verify else {}
+    if verify:
+        phases["sampling_batch"] = statistics.fmean(batch_ms[i] for i in picked)
     host = sum(v for k, v in phases.items() if k not in DEVICE_PHASES)
     return {
         "wall_s": wall,

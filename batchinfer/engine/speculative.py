@@ -51,11 +51,9 @@ import numpy as np
 import torch
 
 from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
-from batchinfer.engine.finish import append_token, make_result
 from batchinfer.engine.request import Result
-from batchinfer.engine.sequence import Sequence, SequenceStatus
-
-_NO_BANS: list[int] = []  # shared by every row with no banned token (the sampler only reads it)
+from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.verify import accepted_counts, append_emitted, generated_before, row_bans, row_starts, row_steps
 
 SpeculativeMethod = Literal["ngram", "grammar", "ngram+grammar"]
 METHODS = ("ngram", "grammar", "ngram+grammar")
@@ -159,6 +157,31 @@ def spec_fields(c: SpecCounts) -> dict[str, int]:
                 spec_decode_rows=c.decode_rows, spec_emitted=c.emitted, spec_forced_drafted=c.forced_drafted,
                 spec_forced_verified=c.forced_verified, spec_forced_accepted=c.forced_accepted,
                 spec_text_drafted=c.text_drafted, spec_text_verified=c.text_verified, spec_text_accepted=c.text_accepted)
+
+
+def tally(counts: SpecCounts, sampling: list[Sequence], accepted: np.ndarray, plans: dict[int, "_Plan"]) -> list[bool]:
+    """Count the verify results of the step's sampling sequences (drafts still in token_ids) into
+    `counts`, feed each sequence's n-gram result to its DraftLength; whether each one decodes."""
+    decoding = []
+    for seq, a in zip(sampling, accepted.tolist()):
+        k, c = seq.num_draft, seq.num_computed_tokens
+        decoding.append(c >= seq.num_prompt_tokens and c + 1 + k == len(seq.token_ids))
+        if not k:
+            continue
+        counts.rows += 1
+        counts.verified += k
+        counts.accepted += a
+        plan = plans.get(id(seq))
+        forced = min(plan.forced, k) if plan is not None else 0
+        text = min(plan.text, k - forced) if plan is not None else 0
+        counts.forced_verified += forced
+        counts.forced_accepted += min(a, forced)
+        counts.text_verified += text
+        counts.text_accepted += max(0, min(a - forced, text))
+        if seq.spec is not None and a >= forced + text:  # the n-gram part was reached: measure it
+            seq.spec.length.update(k - forced - text, a - forced - text)
+    counts.decode_rows += sum(decoding)
+    return decoding
 
 
 def _allowed(mask_row: torch.Tensor, token: int) -> bool:
@@ -279,16 +302,17 @@ class Speculator:
         t0 = time.perf_counter()
         engine._wait_s, engine._idle_ms = 0.0, None
         engine._phases, engine._phase_t = {}, t0
-        counts = SpecCounts()
         plans = self.propose(engine)
-        counts.drafted = sum(p.proposed for p in plans.values())
-        counts.forced_drafted = sum(p.forced for p in plans.values())
-        counts.text_drafted = sum(p.text for p in plans.values())
+        counts = SpecCounts(drafted=sum(p.proposed for p in plans.values()),
+                            forced_drafted=sum(p.forced for p in plans.values()),
+                            text_drafted=sum(p.text for p in plans.values()))
         engine._phase("draft")
         step = engine.scheduler.schedule()
-        for seq in engine.scheduler.running:  # drafts of sequences the step does not run
-            if seq.num_draft and seq not in step.seqs:
-                seq.drop_drafts()
+        if plans:
+            scheduled = set(step.seqs)
+            for seq in engine.scheduler.running:  # drafts of sequences the step does not run
+                if seq.num_draft and seq not in scheduled:
+                    seq.drop_drafts()
         engine._phase("schedule")
         results: list[Result] = []
         if not step.seqs:
@@ -298,114 +322,64 @@ class Speculator:
         for seq in step.seqs:
             if seq.scheduled is None:
                 seq.scheduled = t0
-        batch = engine.runner.prepare(step.seqs, step.num_tokens, step.samples)
         sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
-        widths = [1 + s.num_draft for s in sampling]
-        ends = np.cumsum(np.asarray(step.num_tokens, dtype=np.int64))[np.asarray(step.samples, dtype=bool)]
-        w = np.asarray(widths, dtype=np.int64)
-        if int(w.sum()) != len(sampling):
-            rows = np.repeat(ends - w, w) + (np.arange(int(w.sum())) - np.repeat(np.cumsum(w) - w, w))
-            batch.sample_index = engine.runner._to_device(rows.astype(np.int64))
+        widths = np.fromiter((1 + s.num_draft for s in sampling), dtype=np.int64, count=len(sampling))
+        batch = engine.runner.prepare(step.seqs, step.num_tokens, step.samples, sample_widths=widths)
         engine._phase("prepare")
         logits = engine._device_call(engine.runner.forward, batch)
         engine._phase("launch")
-        rows_seq: list[Sequence] = []
-        steps: list[int] = []
-        bans: list[list[int]] = []
-        for seq, width in zip(sampling, widths):
-            g = seq.num_generated - seq.num_draft
-            rows_seq += [seq] * width
-            steps += range(g, g + width)
-            if g >= seq.request.sampling.min_tokens:  # past min_tokens at every position: nothing banned
-                bans += [_NO_BANS] * width
-            else:
-                bans += [engine._bans_at(seq, g + j) for j in range(width)]
+        first = generated_before(sampling)
+        steps = row_steps(first, widths)
+        bans = row_bans(sampling, widths, first, engine._bans_at)
         bitmask = self._bitmask(sampling, widths, plans)
         engine._phase("grammar_mask")
-        tokens: list[int] = []
+        tokens = np.zeros(0, dtype=np.int64)
         logprobs = None
         if sampling:
-            tokens_dev = engine._device_call(engine.runner.sample_tokens, logits, rows_seq, bans, bitmask, steps)
-            logprobs = engine.runner.token_logprobs(logits, rows_seq, tokens_dev)
-            if logprobs is not None:
-                logprobs = logprobs.to_host_async()
+            tokens_dev = engine._device_call(engine.runner.sample_tokens, logits, sampling, bans, bitmask, steps, widths)
+            logprobs = self._logprobs(engine, logits, sampling, widths, tokens_dev)
             t = time.perf_counter()
-            tokens = tokens_dev.tolist()
+            tokens = tokens_dev.cpu().numpy()
             engine._wait_s += time.perf_counter() - t
         engine._phase("read_tokens")
         now = time.perf_counter()
-        # accepted drafts and the emitted tokens of each sampling sequence
-        emitted: list[list[int]] = []
-        decoding: list[int] = []  # indices (into sampling) of the decoding sequences
-        row = 0
-        for seq, width in zip(sampling, widths):
-            out = tokens[row : row + width]
-            draft = seq.token_ids[len(seq.token_ids) - seq.num_draft :] if seq.num_draft else []
-            a = 0
-            while a < len(draft) and draft[a] == out[a]:
-                a += 1
-            emitted.append(out[: a + 1])
-            if seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_computed_tokens + 1 + seq.num_draft == seq.num_tokens:
-                counts.decode_rows += 1
-                decoding.append(len(emitted) - 1)
-            if seq.num_draft:
-                counts.rows += 1
-                counts.verified += seq.num_draft
-                counts.accepted += a
-                plan = plans.get(id(seq))
-                forced = min(plan.forced, seq.num_draft) if plan is not None else 0
-                text = min(plan.text, seq.num_draft - forced) if plan is not None else 0
-                counts.forced_verified += forced
-                counts.forced_accepted += min(a, forced)
-                counts.text_verified += text
-                counts.text_accepted += max(0, min(a - forced, text))
-                if seq.spec is not None and a >= forced + text:  # the n-gram part was reached: measure it
-                    seq.spec.length.update(seq.num_draft - forced - text, a - forced - text)
-            row += width
-        base_rows = np.cumsum([0] + widths[:-1]).tolist()
-        num_emitted = {}
+        accepted = accepted_counts(sampling, widths, tokens)
+        decoding = tally(counts, sampling, accepted, plans)
+        starts = row_starts(widths).tolist()
+        flat = tokens.tolist()
+        emitted = [flat[r : r + a + 1] for r, a in zip(starts, accepted.tolist())]
         for seq in sampling:
             seq.drop_drafts()
-        # append column by column: one batched grammar accept per column
-        alive = list(range(len(sampling)))
-        col = 0
-        while alive:
-            pairs = [(sampling[i], emitted[i][col]) for i in alive]
-            verdicts = engine.grammar.accept(pairs)
-            still = []
-            for i, (seq, token), verdict in zip(alive, pairs, verdicts):
-                if logprobs is not None and seq.logprobs is not None:
-                    seq.logprobs.append(logprobs.entry(base_rows[i] + col, token))
-                num_emitted[i] = col + 1
-                if append_token(seq, token, now, verdict, engine.eos_token_ids, engine.max_model_len, engine.tokenizer):
-                    engine.scheduler.finish(seq)
-                    results.append(make_result(seq))
-                elif col + 1 < len(emitted[i]):
-                    still.append(i)
-            alive = still
-            col += 1
+        appended, results = append_emitted(engine, sampling, emitted, starts, logprobs, now)
         # tokens appended (a sequence that ends mid-draft, e.g. at an EOS the grammar forced, takes
         # no token after its last)
-        counts.emitted += sum(num_emitted[i] for i in decoding)
+        counts.emitted += sum(n for n, d in zip(appended, decoding) if d)
         # KV is valid for the last input token and the accepted drafts: that is what was computed
-        k_of = {id(s): i for i, s in enumerate(sampling)}
-        for idx, seq in enumerate(step.seqs):
-            i = k_of.get(id(seq))
-            if i is not None and widths[i] > 1:
-                step.num_tokens[idx] = num_emitted.get(i, 1)
+        for i, idx in enumerate(np.flatnonzero(np.asarray(step.samples, dtype=bool)).tolist()):
+            if widths[i] > 1:
+                step.num_tokens[idx] = appended[i]
         engine.scheduler.complete_step(step)
         engine._phase("post")
         engine._spec_counts = counts
         engine._report(step, t0, len(results))
         return results
 
-    def _bitmask(self, sampling: list[Sequence], widths: list[int], plans: dict[int, _Plan]) -> torch.Tensor | None:
+    @staticmethod
+    def _logprobs(engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray, tokens: torch.Tensor):
+        """The step's logprobs (copied to the host), when a sequence asks (those have no drafts)."""
+        if all(s.request.sampling.logprobs is None for s in sampling):
+            return None
+        rows_seq = [s for s, w in zip(sampling, widths.tolist()) for _ in range(w)]
+        logprobs = engine.runner.token_logprobs(logits, rows_seq, tokens)
+        return logprobs.to_host_async() if logprobs is not None else None
+
+    def _bitmask(self, sampling: list[Sequence], widths: np.ndarray, plans: dict[int, _Plan]) -> torch.Tensor | None:
         """int32 bitmask of every sampling position (rows of sequences without a grammar all -1)."""
         if not any(s.matcher is not None for s in sampling):
             return None
-        mask = torch.full((sum(widths), self.words), -1, dtype=torch.int32)
+        mask = torch.full((int(widths.sum()), self.words), -1, dtype=torch.int32)
         row = 0
-        for seq, width in zip(sampling, widths):
+        for seq, width in zip(sampling, widths.tolist()):
             if seq.matcher is not None:
                 plan = plans.get(id(seq))
                 if plan is not None and plan.masks is not None and plan.masks.shape[0] >= width:

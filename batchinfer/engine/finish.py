@@ -13,6 +13,8 @@ from batchinfer.engine.detokenizer import find_stop_string
 from batchinfer.engine.request import RequestTimes, Result
 from batchinfer.engine.sequence import Sequence
 
+_NONE: frozenset[int] = frozenset()
+
 
 def append_token(
     seq: Sequence, token: int, now: float, verdict: str | None, eos_ids: frozenset[int], max_model_len: int, tokenizer: Any
@@ -61,20 +63,21 @@ def append_tokens(
     if seq.detokenizer is not None:
         raise ValueError("append_tokens is for sequences without stop strings; use append_token")
     p = seq.request.sampling
+    ids = seq.token_ids
     # appending this many reaches max_tokens or max_model_len
-    limit = min(seq.max_tokens - seq.num_generated, max_model_len - seq.num_tokens)
-    stops, eos = p.stop_token_ids, (frozenset() if p.ignore_eos else eos_ids)
+    limit = min(seq.max_tokens - (len(ids) - seq.num_prompt_tokens), max_model_len - len(ids))
+    stops, eos = p.stop_token_ids, (_NONE if p.ignore_eos else eos_ids)
     n, ends_by_id = 0, False
     for token in tokens:
         n += 1
-        if token in stops or token in eos:
+        if token in eos or token in stops:
             ends_by_id = True
             break
         if n >= limit:
             break
     if n == 0:
         return 0, False
-    seq.token_ids.extend(tokens[:n])
+    ids.extend(tokens[:n] if n < len(tokens) else tokens)
     if seq.first_token is None:
         seq.first_token = now
     if not ends_by_id and n < limit:

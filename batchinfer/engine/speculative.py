@@ -53,7 +53,7 @@ import torch
 from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
 from batchinfer.engine.request import Result
 from batchinfer.engine.sequence import Sequence
-from batchinfer.engine.verify import accepted_counts, append_emitted, generated_before, row_bans, row_starts, row_steps
+from batchinfer.engine.verify import append_emitted, generated_before, row_bans, row_starts, row_steps, settle_drafts
 
 SpeculativeMethod = Literal["ngram", "grammar", "ngram+grammar"]
 METHODS = ("ngram", "grammar", "ngram+grammar")
@@ -117,6 +117,12 @@ class SpecState:
     size: int = 0
     length: DraftLength = field(default_factory=DraftLength)
 
+    @classmethod
+    def new(cls, num_tokens: int) -> "SpecState":
+        """Empty buffers for a sequence of num_tokens tokens (room to grow)."""
+        cap = max(64, 2 * num_tokens)
+        return cls(np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64))
+
     def tokens(self, token_ids: list[int], key_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's tokens (no drafts) and their keys, appending only what is new since last time."""
         n = len(token_ids)
@@ -159,31 +165,6 @@ def spec_fields(c: SpecCounts) -> dict[str, int]:
                 spec_text_drafted=c.text_drafted, spec_text_verified=c.text_verified, spec_text_accepted=c.text_accepted)
 
 
-def tally(counts: SpecCounts, sampling: list[Sequence], accepted: np.ndarray, plans: dict[int, "_Plan"]) -> list[bool]:
-    """Count the verify results of the step's sampling sequences (drafts still in token_ids) into
-    `counts`, feed each sequence's n-gram result to its DraftLength; whether each one decodes."""
-    decoding = []
-    for seq, a in zip(sampling, accepted.tolist()):
-        k, c = seq.num_draft, seq.num_computed_tokens
-        decoding.append(c >= seq.num_prompt_tokens and c + 1 + k == len(seq.token_ids))
-        if not k:
-            continue
-        counts.rows += 1
-        counts.verified += k
-        counts.accepted += a
-        plan = plans.get(id(seq))
-        forced = min(plan.forced, k) if plan is not None else 0
-        text = min(plan.text, k - forced) if plan is not None else 0
-        counts.forced_verified += forced
-        counts.forced_accepted += min(a, forced)
-        counts.text_verified += text
-        counts.text_accepted += max(0, min(a - forced, text))
-        if seq.spec is not None and a >= forced + text:  # the n-gram part was reached: measure it
-            seq.spec.length.update(k - forced - text, a - forced - text)
-    counts.decode_rows += sum(decoding)
-    return decoding
-
-
 def _allowed(mask_row: torch.Tensor, token: int) -> bool:
     return (int(mask_row[token >> 5]) >> (token & 31)) & 1 == 1
 
@@ -219,52 +200,44 @@ class Speculator:
     def _draft_budget(self, engine: Any) -> int:
         """Draft tokens this step may verify: max_step_tokens minus what the step computes anyway."""
         sched = engine.scheduler
-        decodes = sum(1 for s in sched.running if s.num_remaining == 1)
-        prefill = sum(s.num_remaining for s in sched.running if s.num_remaining > 1)
-        prefill += sum(s.num_remaining for s in sched.waiting) if len(sched.running) < sched.config.max_num_seqs else 0
-        base = min(sched.config.max_num_batched_tokens, decodes + prefill)
-        return max(0, min(self.config.max_step_tokens, sched.config.max_num_batched_tokens) - base)
+        most = sched.config.max_num_batched_tokens
+        base = 0  # decodes + prefill tokens of the step without drafts (up to `most`)
+        for s in sched.running:
+            base += len(s.token_ids) - s.num_computed_tokens
+        if len(sched.running) < sched.config.max_num_seqs:
+            for s in sched.waiting:
+                if base >= most:
+                    break
+                base += s.num_remaining
+        return max(0, min(self.config.max_step_tokens, most) - min(most, base))
 
     def propose(self, engine: Any) -> dict[int, _Plan]:
         """Append drafts to every decoding sequence (within the budget); their plans by id(seq)."""
         plans: dict[int, _Plan] = {}
         budget = self._draft_budget(engine)
         cfg = self.config
+        max_len = engine.max_model_len
+        grammar = cfg.uses_grammar
+        more_source = cfg.uses_ngram or self.drafter is not None
         for seq in engine.scheduler.running:
             if budget <= 0:
                 break
-            if seq.num_remaining != 1 or seq.num_computed_tokens < seq.num_prompt_tokens or seq.logprobs is not None:
-                continue
-            room = min(cfg.num_tokens, budget, seq.max_tokens - seq.num_generated - 1,
-                       engine.max_model_len - seq.num_tokens - 1)
+            n, c = len(seq.token_ids), seq.num_computed_tokens
+            if n - c != 1 or c < seq.num_prompt_tokens or seq.logprobs is not None:
+                continue  # not decoding, or asks for logprobs
+            room = min(cfg.num_tokens, budget, seq.max_tokens - (n - seq.num_prompt_tokens) - 1, max_len - n - 1)
             if room <= 0:
                 continue
             if seq.spec is None:
-                cap = max(64, 2 * seq.num_tokens)
-                seq.spec = SpecState(np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64))
-            draft: list[int] = []
+                seq.spec = SpecState.new(n)
             m = seq.matcher
-            text = 0
-            if m is not None and cfg.uses_grammar:
-                draft = [t for t in m.forced_tokens()[:room] if 0 <= t < self.vocab_size]
-                if self.forced_text is not None:
-                    more = [t for t in self.forced_text.extend(m, draft, room - len(draft)) if 0 <= t < self.vocab_size]
-                    text = len(more)
-                    draft += more
+            draft, text = self._grammar_draft(m, room) if m is not None and grammar else ([], 0)
             forced = len(draft) - text
-            ngram_room = room - len(draft)
-            if cfg.adaptive and ngram_room > 0:
-                ngram_room = seq.spec.length.length(ngram_room, cfg.accept_threshold, cfg.probe_interval)
-            if ngram_room > 0 and (cfg.uses_ngram or self.drafter is not None):
-                if self.drafter is not None:
-                    more = list(self.drafter(seq, len(draft) + ngram_room))[len(draft):]  # after the grammar's
-                else:
-                    tokens, keys = seq.spec.tokens(seq.token_ids, self.key_of)
-                    if draft:
-                        extra = np.asarray(draft, dtype=np.int64)
-                        tokens, keys = np.concatenate([tokens, extra]), np.concatenate([keys, self.key_of[extra]])
-                    more = ngram_draft(tokens, cfg.ngram_sizes, ngram_room, keys).tolist()
-                draft += [t for t in more[:ngram_room] if 0 <= t < self.vocab_size][: ngram_room]
+            more = room - len(draft)
+            if cfg.adaptive and more > 0:
+                more = seq.spec.length.length(more, cfg.accept_threshold, cfg.probe_interval)
+            if more > 0 and more_source:
+                draft += self._more_drafts(seq, draft, more)
             if not draft:
                 continue
             plan = _Plan(seq, proposed=len(draft), forced=forced, text=text)
@@ -276,6 +249,28 @@ class Speculator:
                 seq.num_draft = len(draft)
                 budget -= len(draft)
         return plans
+
+    def _grammar_draft(self, m: Any, room: int) -> tuple[list[int], int]:
+        """Up to `room` grammar drafts: the forced tokens, then the forced text's; (draft, number of text tokens)."""
+        vocab = self.vocab_size
+        draft = [t for t in m.forced_tokens()[:room] if 0 <= t < vocab]
+        if self.forced_text is None:
+            return draft, 0
+        more = [t for t in self.forced_text.extend(m, draft, room - len(draft)) if 0 <= t < vocab]
+        return draft + more, len(more)
+
+    def _more_drafts(self, seq: Sequence, draft: list[int], k: int) -> list[int]:
+        """Up to k drafts after `draft` from the drafter, else by n-gram lookup."""
+        if self.drafter is not None:
+            more = list(self.drafter(seq, len(draft) + k))[len(draft):]  # after the grammar's
+        else:
+            tokens, keys = seq.spec.tokens(seq.token_ids, self.key_of)
+            if draft:
+                extra = np.asarray(draft, dtype=np.int64)
+                tokens, keys = np.concatenate([tokens, extra]), np.concatenate([keys, self.key_of[extra]])
+            more = ngram_draft(tokens, self.config.ngram_sizes, k, keys).tolist()
+        vocab = self.vocab_size
+        return [t for t in more[:k] if 0 <= t < vocab][:k]
 
     def _grammar_cut(self, m: Any, draft: list[int]) -> tuple[list[int], torch.Tensor]:
         """Cut the draft at its first token the grammar forbids; masks of the k+1 positions."""
@@ -333,30 +328,26 @@ class Speculator:
         bans = row_bans(sampling, widths, first, engine._bans_at)
         bitmask = self._bitmask(sampling, widths, plans)
         engine._phase("grammar_mask")
-        tokens = np.zeros(0, dtype=np.int64)
+        tokens: list[int] = []
         logprobs = None
         if sampling:
             tokens_dev = engine._device_call(engine.runner.sample_tokens, logits, sampling, bans, bitmask, steps, widths)
             logprobs = self._logprobs(engine, logits, sampling, widths, tokens_dev)
             t = time.perf_counter()
-            tokens = tokens_dev.cpu().numpy()
+            tokens = tokens_dev.tolist()
             engine._wait_s += time.perf_counter() - t
         engine._phase("read_tokens")
         now = time.perf_counter()
-        accepted = accepted_counts(sampling, widths, tokens)
-        decoding = tally(counts, sampling, accepted, plans)
+        width_list = widths.tolist()
+        emitted, decoding = settle_drafts(sampling, width_list, tokens, counts, plans)
         starts = row_starts(widths).tolist()
-        flat = tokens.tolist()
-        emitted = [flat[r : r + a + 1] for r, a in zip(starts, accepted.tolist())]
-        for seq in sampling:
-            seq.drop_drafts()
         appended, results = append_emitted(engine, sampling, emitted, starts, logprobs, now)
         # tokens appended (a sequence that ends mid-draft, e.g. at an EOS the grammar forced, takes
         # no token after its last)
         counts.emitted += sum(n for n, d in zip(appended, decoding) if d)
         # KV is valid for the last input token and the accepted drafts: that is what was computed
         for i, idx in enumerate(np.flatnonzero(np.asarray(step.samples, dtype=bool)).tolist()):
-            if widths[i] > 1:
+            if width_list[i] > 1:
                 step.num_tokens[idx] = appended[i]
         engine.scheduler.complete_step(step)
         engine._phase("post")

@@ -6,7 +6,7 @@ need (the sampler's counter and the min_tokens bans of each position), finds the
 each draft from the tokens the target drew, and appends the emitted tokens (the accepted drafts and
 the draw after them) with the same stop checks as plain decoding (engine/finish.py).
 
-Everything per row is numpy; per sequence, one pass. Sequences without a grammar, stop strings or
+Everything per row is numpy; per sequence, one pass (settle_drafts). Sequences without a grammar, stop strings or
 logprobs (most rows of a plain batch job) append their run of tokens at once (finish.append_tokens);
 the others append column by column, one batched grammar accept per column, as plain decoding does
 one token per step. Finishing happens in the order plain decoding would see it: by the column of
@@ -15,7 +15,6 @@ the finishing token, then by row.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,6 @@ from batchinfer.engine.request import Result
 from batchinfer.engine.sequence import Sequence
 
 _NO_BANS: list[int] = []  # shared by every row with no banned token (the sampler only reads it)
-_END = (-1,)  # the "draft" at each sequence's last row: never a sampled token, so it never matches
 
 
 def row_starts(widths: np.ndarray) -> np.ndarray:
@@ -57,18 +55,52 @@ def row_bans(sampling: list[Sequence], widths: np.ndarray, first: np.ndarray,
     return bans
 
 
-def accepted_counts(sampling: list[Sequence], widths: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """How many leading drafts of each sequence equal the tokens drawn at their positions."""
-    parts: list = []
-    for s in sampling:
-        k = s.num_draft
-        if k:
-            parts.append(s.token_ids[len(s.token_ids) - k :])
-        parts.append(_END)
-    drafts = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=tokens.shape[0])
-    miss = np.flatnonzero(drafts != tokens)  # every sequence has one at its last row at the latest
-    starts = row_starts(widths)
-    return miss[np.searchsorted(miss, starts)] - starts
+def settle_drafts(sampling: list[Sequence], widths: list[int], tokens: list[int], counts: Any,
+                  plans: dict[int, Any]) -> tuple[list[list[int]], list[bool]]:
+    """Per sampling sequence (its k = width-1 drafts still at the end of token_ids): the tokens it
+    emits (the leading drafts equal to the tokens drawn at their positions, then the draw after
+    them), its drafts removed, its verify result counted into `counts` (SpecCounts; plans: the
+    step's _Plan by id(seq)) and fed to its DraftLength. Returns the emitted tokens and whether
+    each sequence decodes (it is not finishing a prefill)."""
+    emitted: list[list[int]] = []
+    decoding: list[bool] = []
+    row = rows = verified = accepted = 0
+    for seq, w in zip(sampling, widths):
+        out = tokens[row : row + w]
+        row += w
+        ids, c = seq.token_ids, seq.num_computed_tokens
+        decoding.append(c >= seq.num_prompt_tokens and c + w == len(ids))
+        if w == 1:
+            emitted.append(out)
+            continue
+        k = w - 1
+        base, a = len(ids) - k, 0
+        while a < k and ids[base + a] == out[a]:
+            a += 1
+        seq.drop_drafts()
+        emitted.append(out[: a + 1])
+        rows, verified, accepted = rows + 1, verified + k, accepted + a
+        plan = plans.get(id(seq))
+        grammar = count_grammar_part(counts, plan, k, a) if plan is not None and (plan.forced or plan.text) else 0
+        if seq.spec is not None and a >= grammar:  # the n-gram part was reached: measure it
+            seq.spec.length.update(k - grammar, a - grammar)
+    counts.rows += rows
+    counts.verified += verified
+    counts.accepted += accepted
+    counts.decode_rows += sum(decoding)
+    return emitted, decoding
+
+
+def count_grammar_part(counts: Any, plan: Any, k: int, a: int) -> int:
+    """Count the grammar-forced and forced-text drafts among a sequence's k verified drafts (a
+    accepted); returns how many of the k they are (the n-gram part follows them)."""
+    forced = min(plan.forced, k)
+    text = min(plan.text, k - forced)
+    counts.forced_verified += forced
+    counts.forced_accepted += min(a, forced)
+    counts.text_verified += text
+    counts.text_accepted += max(0, min(a - forced, text))
+    return forced + text
 
 
 def append_emitted(

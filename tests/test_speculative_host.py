@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_speculative import assert_same, make_engine, oracle, rand_prompt, run
 
 from batchinfer.engine import Request, SamplingParams
 from batchinfer.engine.finish import append_token, append_tokens
@@ -21,7 +22,6 @@ from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.speculative import SpecCounts
 from batchinfer.engine.verify import row_bans, row_steps, settle_drafts
 from batchinfer.structured.base import Constraint
-from test_speculative import assert_same, make_engine, oracle, rand_prompt, run
 
 EOS = frozenset({7, 9})
 
@@ -160,7 +160,7 @@ def test_max_tokens_and_max_model_len_mid_draft(tiny_model):
     rng = random.Random(12)
     reqs = [Request(f"m{i}", rand_prompt(rng, n), SamplingParams(max_tokens=k, temperature=t, seed=i, ignore_eos=True))
             for i, (n, k, t) in enumerate([(5, 1, 0.0), (6, 2, 0.8), (9, 7, 0.0), (20, 28, 1.0), (12, 36, 0.0)])]
-    plain, spec, steps = _plain_and_spec(tiny_model, reqs, 0.1, max_model_len=48)
+    plain, spec, _ = _plain_and_spec(tiny_model, reqs, 0.1, max_model_len=48)
     assert_same(plain, spec)
     assert {r.finish_reason for r in spec.values()} == {"length"}
     assert [len(spec[r.request_id].output_token_ids) for r in reqs] == [1, 2, 7, 28, 36]

@@ -34,7 +34,11 @@ acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are ra
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
 Speculation runs the serial loop (EngineConfig.overlap is ignored) and fills the masks of drafted
-positions on the loop's thread. On a GPU a step with drafts replays a CUDA graph: a mixed-step one
+positions on the loop's thread. Nothing of a verify step's host work hides behind the device, so it
+is kept to one pass per sequence per phase and numpy per row (engine/verify.py: counters, bans,
+accepted prefixes, appending; the runner packs the verify rows' sample index with the step's
+inputs, and the sampler's per-sequence parameters are repeated per row, not rebuilt;
+scripts/spec_host_bench.py measures it). On a GPU a step with drafts replays a CUDA graph: a mixed-step one
 where it samples at most max_num_seqs rows, else a verify graph (engine/cuda_graphs.py VerifyGraphs:
 every token row may sample, up to max_step_tokens tokens).
 Sequences that ask for logprobs get no drafts.
@@ -53,7 +57,14 @@ import torch
 from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
 from batchinfer.engine.request import Result
 from batchinfer.engine.sequence import Sequence
-from batchinfer.engine.verify import append_emitted, generated_before, row_bans, row_starts, row_steps, settle_drafts
+from batchinfer.engine.verify import (
+    append_emitted,
+    generated_before,
+    row_bans,
+    row_starts,
+    row_steps,
+    settle_drafts,
+)
 
 SpeculativeMethod = Literal["ngram", "grammar", "ngram+grammar"]
 METHODS = ("ngram", "grammar", "ngram+grammar")
@@ -118,7 +129,7 @@ class SpecState:
     length: DraftLength = field(default_factory=DraftLength)
 
     @classmethod
-    def new(cls, num_tokens: int) -> "SpecState":
+    def new(cls, num_tokens: int) -> SpecState:
         """Empty buffers for a sequence of num_tokens tokens (room to grow)."""
         cap = max(64, 2 * num_tokens)
         return cls(np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64))
@@ -171,11 +182,10 @@ def _allowed(mask_row: torch.Tensor, token: int) -> bool:
 
 @dataclass
 class _Plan:
-    """A decoding sequence's drafts and the grammar masks of its k+1 positions (None: no grammar)."""
+    """A decoding sequence's drafts from a grammar and the masks of its k+1 positions."""
 
     seq: Sequence
     masks: torch.Tensor | None = None
-    proposed: int = 0
     forced: int = 0  # the draft's first `forced` tokens are grammar-forced,
     text: int = 0  # the `text` after them the forced text's; the rest n-gram (or the drafter's)
 
@@ -211,9 +221,13 @@ class Speculator:
                 base += s.num_remaining
         return max(0, min(self.config.max_step_tokens, most) - min(most, base))
 
-    def propose(self, engine: Any) -> dict[int, _Plan]:
-        """Append drafts to every decoding sequence (within the budget); their plans by id(seq)."""
+    def propose(self, engine: Any, counts: SpecCounts) -> dict[int, _Plan]:
+        """Append drafts to every decoding sequence (within the budget), counted into `counts`
+        (drafted, forced_drafted, text_drafted). Returns the plans of the sequences with a grammar
+        that drafted, by id(seq) (a draft without a grammar needs none: its tokens are all n-gram
+        or the drafter's)."""
         plans: dict[int, _Plan] = {}
+        drafted = 0
         budget = self._draft_budget(engine)
         cfg = self.config
         max_len = engine.max_model_len
@@ -240,14 +254,17 @@ class Speculator:
                 draft += self._more_drafts(seq, draft, more)
             if not draft:
                 continue
-            plan = _Plan(seq, proposed=len(draft), forced=forced, text=text)
+            drafted += len(draft)
             if m is not None:
+                counts.forced_drafted += forced
+                counts.text_drafted += text
+                plan = plans[id(seq)] = _Plan(seq, forced=forced, text=text)
                 draft, plan.masks = self._grammar_cut(m, draft)
-            plans[id(seq)] = plan
             if draft:
                 seq.token_ids.extend(draft)
                 seq.num_draft = len(draft)
                 budget -= len(draft)
+        counts.drafted += drafted
         return plans
 
     def _grammar_draft(self, m: Any, room: int) -> tuple[list[int], int]:
@@ -297,23 +314,20 @@ class Speculator:
         t0 = time.perf_counter()
         engine._wait_s, engine._idle_ms = 0.0, None
         engine._phases, engine._phase_t = {}, t0
-        plans = self.propose(engine)
-        counts = SpecCounts(drafted=sum(p.proposed for p in plans.values()),
-                            forced_drafted=sum(p.forced for p in plans.values()),
-                            text_drafted=sum(p.text for p in plans.values()))
+        counts = SpecCounts()
+        plans = self.propose(engine, counts)
         engine._phase("draft")
         step = engine.scheduler.schedule()
-        if plans:
+        if counts.drafted:
             scheduled = set(step.seqs)
             for seq in engine.scheduler.running:  # drafts of sequences the step does not run
                 if seq.num_draft and seq not in scheduled:
                     seq.drop_drafts()
         engine._phase("schedule")
-        results: list[Result] = []
         if not step.seqs:
             engine._spec_counts = counts
             engine._report(step, t0, 0)
-            return results
+            return []
         for seq in step.seqs:
             if seq.scheduled is None:
                 seq.scheduled = t0
@@ -323,6 +337,18 @@ class Speculator:
         engine._phase("prepare")
         logits = engine._device_call(engine.runner.forward, batch)
         engine._phase("launch")
+        tokens, logprobs = self._sample(engine, logits, sampling, widths, plans)
+        results = self._emit(engine, step, sampling, widths, tokens, logprobs, counts, plans)
+        engine._phase("post")
+        engine._spec_counts = counts
+        engine._report(step, t0, len(results))
+        return results
+
+    def _sample(self, engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray,
+                plans: dict[int, _Plan]) -> tuple[list[int], Any]:
+        """Draw every sampling row (sequence i's widths[i] positions) as plain decoding would draw
+        each position: its counter, its min_tokens bans, its grammar mask. The tokens and the
+        logprobs (on the host) where asked."""
         first = generated_before(sampling)
         steps = row_steps(first, widths)
         bans = row_bans(sampling, widths, first, engine._bans_at)
@@ -337,11 +363,17 @@ class Speculator:
             tokens = tokens_dev.tolist()
             engine._wait_s += time.perf_counter() - t
         engine._phase("read_tokens")
+        return tokens, logprobs
+
+    @staticmethod
+    def _emit(engine: Any, step: Any, sampling: list[Sequence], widths: np.ndarray, tokens: list[int], logprobs: Any,
+              counts: SpecCounts, plans: dict[int, _Plan]) -> list[Result]:
+        """Accept each draft's matching prefix, append the emitted tokens, finish sequences, and
+        complete the step with the tokens whose KV it computed. The finished Results."""
         now = time.perf_counter()
         width_list = widths.tolist()
         emitted, decoding = settle_drafts(sampling, width_list, tokens, counts, plans)
-        starts = row_starts(widths).tolist()
-        appended, results = append_emitted(engine, sampling, emitted, starts, logprobs, now)
+        appended, results = append_emitted(engine, sampling, emitted, row_starts(widths).tolist(), logprobs, now)
         # tokens appended (a sequence that ends mid-draft, e.g. at an EOS the grammar forced, takes
         # no token after its last)
         counts.emitted += sum(n for n, d in zip(appended, decoding) if d)
@@ -350,9 +382,6 @@ class Speculator:
             if width_list[i] > 1:
                 step.num_tokens[idx] = appended[i]
         engine.scheduler.complete_step(step)
-        engine._phase("post")
-        engine._spec_counts = counts
-        engine._report(step, t0, len(results))
         return results
 
     @staticmethod

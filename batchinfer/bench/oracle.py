@@ -19,13 +19,15 @@ def oracle_drafter(truth: Mapping[str, Seq[int]], corrupt: float, vocab_size: in
     if not 0.0 <= corrupt <= 1.0:
         raise ValueError(f"--oracle-corrupt must be in [0, 1], got {corrupt}")
     rng = random.Random(seed)
+    draw, pick, empty = rng.random, rng.randrange, ()
 
     def draft(seq, k: int) -> list[int]:
         done = seq.num_generated
-        out = list(truth.get(seq.request.request_id, ())[done : done + k])
-        for j, t in enumerate(out):
-            if corrupt and rng.random() < corrupt:
-                out[j] = (t + 1 + rng.randrange(vocab_size - 1)) % vocab_size
+        out = list(truth.get(seq.request.request_id, empty)[done : done + k])
+        if corrupt:
+            for j, t in enumerate(out):
+                if draw() < corrupt:
+                    out[j] = (t + 1 + pick(vocab_size - 1)) % vocab_size
         return out
 
     return draft

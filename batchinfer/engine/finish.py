@@ -1,7 +1,8 @@
 """Finishing sequences: whether an appended token ends one, its final text, its Result.
 
 A sampled token is checked against the stop token ids and EOS, the grammar's verdict, stop strings
-(through the sequence's detokenizer), max_tokens and max_model_len.
+(through the sequence's detokenizer), max_tokens and max_model_len (append_token; append_tokens
+appends a run of tokens of a sequence without grammar or stop strings, as speculative decoding emits).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 from batchinfer.engine.detokenizer import find_stop_string
 from batchinfer.engine.request import RequestTimes, Result
 from batchinfer.engine.sequence import Sequence
+
+_NONE: frozenset[int] = frozenset()
 
 
 def append_token(
@@ -48,6 +51,41 @@ def append_token(
     seq.text = text if text is not None else final_text(seq, tokenizer, drop_last=ends_by_id)
     seq.finished = now
     return True
+
+
+def append_tokens(
+    seq: Sequence, tokens: list[int], now: float, eos_ids: frozenset[int], max_model_len: int, tokenizer: Any
+) -> tuple[int, bool]:
+    """append_token for each of `tokens` in turn, up to the first that finishes the sequence, for a
+    sequence with no grammar (verdicts None) and no stop strings (no detokenizer): the same checks,
+    run once over the tokens (speculative decoding appends several per step). Returns (tokens
+    appended, finished)."""
+    if seq.detokenizer is not None:
+        raise ValueError("append_tokens is for sequences without stop strings; use append_token")
+    p = seq.request.sampling
+    ids = seq.token_ids
+    # appending this many reaches max_tokens or max_model_len
+    limit = min(seq.max_tokens - (len(ids) - seq.num_prompt_tokens), max_model_len - len(ids))
+    stops, eos = p.stop_token_ids, (_NONE if p.ignore_eos else eos_ids)
+    n, ends_by_id = 0, False
+    for token in tokens:
+        n += 1
+        if token in eos or token in stops:
+            ends_by_id = True
+            break
+        if n >= limit:
+            break
+    if n == 0:
+        return 0, False
+    ids.extend(tokens[:n] if n < len(tokens) else tokens)
+    if seq.first_token is None:
+        seq.first_token = now
+    if not ends_by_id and n < limit:
+        return n, False
+    seq.finish_reason, seq.error = ("stop" if ends_by_id else "length"), None
+    seq.text = final_text(seq, tokenizer, drop_last=ends_by_id)
+    seq.finished = now
+    return n, True
 
 
 def final_text(seq: Sequence, tokenizer: Any, drop_last: bool) -> str:

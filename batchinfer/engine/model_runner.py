@@ -71,6 +71,21 @@ def block_table(tables: Seq[Seq[int]], width: int) -> np.ndarray:
     return table
 
 
+def sample_rows(ends: np.ndarray, samples: Seq[bool], widths: Seq[int] | None = None) -> np.ndarray:
+    """int64 token rows whose logits are kept: the last widths[k] rows before ends[i] of the k-th
+    chunk i that samples (widths None: its last row). ends: each chunk's end row (cumulative)."""
+    last = ends[np.asarray(samples, dtype=bool)]
+    if widths is None:
+        return last - 1
+    w = np.asarray(widths, dtype=np.int64)
+    total = int(w.sum())
+    if total == last.shape[0]:
+        return last - 1
+    # row j of chunk k: last[k] - w[k] + j, for j < w[k]
+    first = np.cumsum(w) - w
+    return np.repeat(last - w - first, w) + np.arange(total, dtype=np.int64)
+
+
 @dataclass
 class StepBatch:
     """The packed inputs of one step; sample_index[i] is the token row whose logits row i samples."""
@@ -323,12 +338,15 @@ class ModelRunner:
         num_tokens: Seq[int],
         samples: Seq[bool],
         pending: torch.Tensor | None = None,
+        sample_widths: Seq[int] | None = None,
     ) -> StepBatch:
         """Pack the scheduled chunks: seqs[i] computes num_tokens[i] tokens from its num_computed.
 
         pending: the sampled tokens (on the device) of the step still in flight. A sequence with a
         `pending_row` ends with a placeholder token; when its chunk reaches that last token, the
         input id is gathered on the device from pending[pending_row] (no host sync).
+        sample_widths: logits rows per sampling chunk, in order (speculative verify: its last
+        1 + drafts tokens); default one, the chunk's last token.
         """
         starts = [s.num_computed_tokens for s in seqs]
         ids = [s.token_ids[c : c + n] for s, c, n in zip(seqs, starts, num_tokens)]
@@ -342,17 +360,18 @@ class ModelRunner:
             if pending is None:
                 raise RuntimeError("sequences wait on an in-flight token but no pending token tensor was given")
             gather = (np.array([i for i, _ in rows], dtype=np.int64), np.array([r for _, r in rows], dtype=np.int64))
-        batch = self._pack(starts, list(num_tokens), ids, [s.block_ids for s in seqs], samples, gather)
+        batch = self._pack(starts, list(num_tokens), ids, [s.block_ids for s in seqs], samples, gather, sample_widths)
         if gather is not None:
             with torch.no_grad():
                 batch.input_ids.index_copy_(0, batch.gather_dst, pending.index_select(0, batch.gather_src))
         return batch
 
-    def _pack(self, starts, lens, ids, tables, samples, gather=None) -> StepBatch:
+    def _pack(self, starts, lens, ids, tables, samples, gather=None, sample_widths=None) -> StepBatch:
         """Flat inputs + AttentionMetadata from per-sequence starts, chunk lengths, token ids, blocks.
 
         gather: (chunk indices, rows) of chunks whose last input id comes from the in-flight step's
         sampled tokens; their token positions and the rows ride in the same int64 host->device copy.
+        sample_widths: see prepare (the sample index rides in that copy too).
         """
         bs = self.block_size
         starts_np = np.asarray(starts, dtype=np.int64)
@@ -367,7 +386,7 @@ class ModelRunner:
         table = block_table(tables, width)
         slots = table[row, positions // bs].astype(np.int64) * bs + positions % bs
         flat_ids = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
-        sample_index = (cu[1:] - 1)[np.asarray(samples, dtype=bool)]
+        sample_index = sample_rows(cu[1:], samples, sample_widths)
         # Two host->device copies per step: all int64 arrays in one buffer, all int32 in another.
         parts = [flat_ids, positions, slots, sample_index]
         if gather is not None:
@@ -433,6 +452,7 @@ class ModelRunner:
         bans: Seq[list[int]] | None = None,
         bitmask: torch.Tensor | None = None,
         steps: Seq[int] | None = None,
+        widths: Seq[int] | None = None,
     ) -> torch.Tensor:
         """Bans and grammar mask on the sampling rows' logits, then one token per row (in order); the
         tokens stay on the device (int64 [len(sampling)]): this only launches work.
@@ -440,7 +460,8 @@ class ModelRunner:
         bans[i]: token ids forbidden for sampling[i] (min_tokens); bitmask: int32 CPU
         [len(sampling), ceil(V/32)] from the grammar matchers (rows without a grammar all -1) or None.
         steps: the sampler's counter per row (default: each sequence's num_generated); speculative
-        decoding samples several positions of one sequence in one step.
+        decoding samples several positions of one sequence in one step: widths[i] consecutive rows
+        are sampling[i]'s (default one each; bans, bitmask and steps are then per row).
         """
         if bans:
             rows = [i for i, b in enumerate(bans) if b]
@@ -450,7 +471,7 @@ class ModelRunner:
             from batchinfer.structured.bitmask import apply_token_bitmask_
 
             apply_token_bitmask_(logits, bitmask.to(self.device, non_blocking=True))
-        return sample(logits, self.sampling_batch(sampling, steps))
+        return sample(logits, self.sampling_batch(sampling, steps, widths))
 
     def token_logprobs(self, logits: torch.Tensor, sampling: Seq[Sequence], tokens: torch.Tensor) -> StepLogprobs | None:
         """Logprobs of the sampled tokens for the rows whose request asks (None, at no cost, when none
@@ -470,10 +491,12 @@ class ModelRunner:
         event.record()
         return event
 
-    def sampling_batch(self, sampling: Seq[Sequence], steps: Seq[int] | None = None) -> SamplingBatch:
+    def sampling_batch(self, sampling: Seq[Sequence], steps: Seq[int] | None = None,
+                       widths: Seq[int] | None = None) -> SamplingBatch:
         """make_sampling_batch for sequences, from rows each sequence computes once (its seed folded,
         its parameters resolved), stacked with numpy: the per-row Python of make_sampling_batch
-        cost ~1 ms per step at 256 rows."""
+        cost ~1 ms per step at 256 rows. widths: rows per sequence (see sample_tokens; steps is then
+        given per row)."""
         rows = []
         for s in sampling:
             if s.sampling_row is None:
@@ -485,12 +508,16 @@ class ModelRunner:
             rows.append(s.sampling_row)
         cols = list(zip(*rows))
         floats = np.array(cols[:3], dtype=np.float32)
+        greedy = np.array(cols[5], dtype=bool)
+        ints = np.array(cols[3:5], dtype=np.int64)
+        if widths is not None:
+            w = np.asarray(widths, dtype=np.int64)
+            floats, greedy, ints = np.repeat(floats, w, axis=1), np.repeat(greedy, w), np.repeat(ints, w, axis=1)
         if steps is None:
             steps = np.fromiter((s.num_generated for s in sampling), dtype=np.int64, count=len(sampling)) & _MASK32
         else:
             steps = np.asarray(steps, dtype=np.int64) & _MASK32
-        greedy = np.array(cols[5], dtype=bool)
-        ints = np.stack([np.array(cols[3], dtype=np.int64), np.array(cols[4], dtype=np.int64), steps, greedy.astype(np.int64)])
+        ints = np.concatenate([ints, steps[None, :], greedy.astype(np.int64)[None, :]])
         f_dev, i_dev = self._to_device(floats), self._to_device(ints)
         top_k, top_p, min_p = ints[0], floats[1], floats[2]
         sampled = ~greedy

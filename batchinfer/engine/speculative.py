@@ -34,7 +34,11 @@ acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are ra
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
 Speculation runs the serial loop (EngineConfig.overlap is ignored) and fills the masks of drafted
-positions on the loop's thread. On a GPU a step with drafts replays a CUDA graph: a mixed-step one
+positions on the loop's thread. Nothing of a verify step's host work hides behind the device, so it
+is kept to one pass per sequence per phase and numpy per row (engine/verify.py: counters, bans,
+accepted prefixes, appending; the runner packs the verify rows' sample index with the step's
+inputs, and the sampler's per-sequence parameters are repeated per row, not rebuilt;
+scripts/spec_host_bench.py measures it). On a GPU a step with drafts replays a CUDA graph: a mixed-step one
 where it samples at most max_num_seqs rows, else a verify graph (engine/cuda_graphs.py VerifyGraphs:
 every token row may sample, up to max_step_tokens tokens).
 Sequences that ask for logprobs get no drafts.
@@ -51,11 +55,16 @@ import numpy as np
 import torch
 
 from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
-from batchinfer.engine.finish import append_token, make_result
 from batchinfer.engine.request import Result
-from batchinfer.engine.sequence import Sequence, SequenceStatus
-
-_NO_BANS: list[int] = []  # shared by every row with no banned token (the sampler only reads it)
+from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.verify import (
+    append_emitted,
+    generated_before,
+    row_bans,
+    row_starts,
+    row_steps,
+    settle_drafts,
+)
 
 SpeculativeMethod = Literal["ngram", "grammar", "ngram+grammar"]
 METHODS = ("ngram", "grammar", "ngram+grammar")
@@ -119,6 +128,12 @@ class SpecState:
     size: int = 0
     length: DraftLength = field(default_factory=DraftLength)
 
+    @classmethod
+    def new(cls, num_tokens: int) -> SpecState:
+        """Empty buffers for a sequence of num_tokens tokens (room to grow)."""
+        cap = max(64, 2 * num_tokens)
+        return cls(np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64))
+
     def tokens(self, token_ids: list[int], key_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's tokens (no drafts) and their keys, appending only what is new since last time."""
         n = len(token_ids)
@@ -167,11 +182,10 @@ def _allowed(mask_row: torch.Tensor, token: int) -> bool:
 
 @dataclass
 class _Plan:
-    """A decoding sequence's drafts and the grammar masks of its k+1 positions (None: no grammar)."""
+    """A decoding sequence's drafts from a grammar and the masks of its k+1 positions."""
 
     seq: Sequence
     masks: torch.Tensor | None = None
-    proposed: int = 0
     forced: int = 0  # the draft's first `forced` tokens are grammar-forced,
     text: int = 0  # the `text` after them the forced text's; the rest n-gram (or the drafter's)
 
@@ -196,63 +210,84 @@ class Speculator:
     def _draft_budget(self, engine: Any) -> int:
         """Draft tokens this step may verify: max_step_tokens minus what the step computes anyway."""
         sched = engine.scheduler
-        decodes = sum(1 for s in sched.running if s.num_remaining == 1)
-        prefill = sum(s.num_remaining for s in sched.running if s.num_remaining > 1)
-        prefill += sum(s.num_remaining for s in sched.waiting) if len(sched.running) < sched.config.max_num_seqs else 0
-        base = min(sched.config.max_num_batched_tokens, decodes + prefill)
-        return max(0, min(self.config.max_step_tokens, sched.config.max_num_batched_tokens) - base)
+        most = sched.config.max_num_batched_tokens
+        base = 0  # decodes + prefill tokens of the step without drafts (up to `most`)
+        for s in sched.running:
+            base += len(s.token_ids) - s.num_computed_tokens
+        if len(sched.running) < sched.config.max_num_seqs:
+            for s in sched.waiting:
+                if base >= most:
+                    break
+                base += s.num_remaining
+        return max(0, min(self.config.max_step_tokens, most) - min(most, base))
 
-    def propose(self, engine: Any) -> dict[int, _Plan]:
-        """Append drafts to every decoding sequence (within the budget); their plans by id(seq)."""
+    def propose(self, engine: Any, counts: SpecCounts) -> dict[int, _Plan]:
+        """Append drafts to every decoding sequence (within the budget), counted into `counts`
+        (drafted, forced_drafted, text_drafted). Returns the plans of the sequences with a grammar
+        that drafted, by id(seq) (a draft without a grammar needs none: its tokens are all n-gram
+        or the drafter's)."""
         plans: dict[int, _Plan] = {}
+        drafted = 0
         budget = self._draft_budget(engine)
         cfg = self.config
+        max_len = engine.max_model_len
+        grammar = cfg.uses_grammar
+        more_source = cfg.uses_ngram or self.drafter is not None
         for seq in engine.scheduler.running:
             if budget <= 0:
                 break
-            if seq.num_remaining != 1 or seq.num_computed_tokens < seq.num_prompt_tokens or seq.logprobs is not None:
-                continue
-            room = min(cfg.num_tokens, budget, seq.max_tokens - seq.num_generated - 1,
-                       engine.max_model_len - seq.num_tokens - 1)
+            n, c = len(seq.token_ids), seq.num_computed_tokens
+            if n - c != 1 or c < seq.num_prompt_tokens or seq.logprobs is not None:
+                continue  # not decoding, or asks for logprobs
+            room = min(cfg.num_tokens, budget, seq.max_tokens - (n - seq.num_prompt_tokens) - 1, max_len - n - 1)
             if room <= 0:
                 continue
             if seq.spec is None:
-                cap = max(64, 2 * seq.num_tokens)
-                seq.spec = SpecState(np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64))
-            draft: list[int] = []
+                seq.spec = SpecState.new(n)
             m = seq.matcher
-            text = 0
-            if m is not None and cfg.uses_grammar:
-                draft = [t for t in m.forced_tokens()[:room] if 0 <= t < self.vocab_size]
-                if self.forced_text is not None:
-                    more = [t for t in self.forced_text.extend(m, draft, room - len(draft)) if 0 <= t < self.vocab_size]
-                    text = len(more)
-                    draft += more
+            draft, text = self._grammar_draft(m, room) if m is not None and grammar else ([], 0)
             forced = len(draft) - text
-            ngram_room = room - len(draft)
-            if cfg.adaptive and ngram_room > 0:
-                ngram_room = seq.spec.length.length(ngram_room, cfg.accept_threshold, cfg.probe_interval)
-            if ngram_room > 0 and (cfg.uses_ngram or self.drafter is not None):
-                if self.drafter is not None:
-                    more = list(self.drafter(seq, len(draft) + ngram_room))[len(draft):]  # after the grammar's
-                else:
-                    tokens, keys = seq.spec.tokens(seq.token_ids, self.key_of)
-                    if draft:
-                        extra = np.asarray(draft, dtype=np.int64)
-                        tokens, keys = np.concatenate([tokens, extra]), np.concatenate([keys, self.key_of[extra]])
-                    more = ngram_draft(tokens, cfg.ngram_sizes, ngram_room, keys).tolist()
-                draft += [t for t in more[:ngram_room] if 0 <= t < self.vocab_size][: ngram_room]
+            more = room - len(draft)
+            if cfg.adaptive and more > 0:
+                more = seq.spec.length.length(more, cfg.accept_threshold, cfg.probe_interval)
+            if more > 0 and more_source:
+                draft += self._more_drafts(seq, draft, more)
             if not draft:
                 continue
-            plan = _Plan(seq, proposed=len(draft), forced=forced, text=text)
+            drafted += len(draft)
             if m is not None:
+                counts.forced_drafted += forced
+                counts.text_drafted += text
+                plan = plans[id(seq)] = _Plan(seq, forced=forced, text=text)
                 draft, plan.masks = self._grammar_cut(m, draft)
-            plans[id(seq)] = plan
             if draft:
                 seq.token_ids.extend(draft)
                 seq.num_draft = len(draft)
                 budget -= len(draft)
+        counts.drafted += drafted
         return plans
+
+    def _grammar_draft(self, m: Any, room: int) -> tuple[list[int], int]:
+        """Up to `room` grammar drafts: the forced tokens, then the forced text's; (draft, number of text tokens)."""
+        vocab = self.vocab_size
+        draft = [t for t in m.forced_tokens()[:room] if 0 <= t < vocab]
+        if self.forced_text is None:
+            return draft, 0
+        more = [t for t in self.forced_text.extend(m, draft, room - len(draft)) if 0 <= t < vocab]
+        return draft + more, len(more)
+
+    def _more_drafts(self, seq: Sequence, draft: list[int], k: int) -> list[int]:
+        """Up to k drafts after `draft` from the drafter, else by n-gram lookup."""
+        if self.drafter is not None:
+            more = list(self.drafter(seq, len(draft) + k))[len(draft):]  # after the grammar's
+        else:
+            tokens, keys = seq.spec.tokens(seq.token_ids, self.key_of)
+            if draft:
+                extra = np.asarray(draft, dtype=np.int64)
+                tokens, keys = np.concatenate([tokens, extra]), np.concatenate([keys, self.key_of[extra]])
+            more = ngram_draft(tokens, self.config.ngram_sizes, k, keys).tolist()
+        vocab = self.vocab_size
+        return [t for t in more[:k] if 0 <= t < vocab][:k]
 
     def _grammar_cut(self, m: Any, draft: list[int]) -> tuple[list[int], torch.Tensor]:
         """Cut the draft at its first token the grammar forbids; masks of the k+1 positions."""
@@ -280,132 +315,91 @@ class Speculator:
         engine._wait_s, engine._idle_ms = 0.0, None
         engine._phases, engine._phase_t = {}, t0
         counts = SpecCounts()
-        plans = self.propose(engine)
-        counts.drafted = sum(p.proposed for p in plans.values())
-        counts.forced_drafted = sum(p.forced for p in plans.values())
-        counts.text_drafted = sum(p.text for p in plans.values())
+        plans = self.propose(engine, counts)
         engine._phase("draft")
         step = engine.scheduler.schedule()
-        for seq in engine.scheduler.running:  # drafts of sequences the step does not run
-            if seq.num_draft and seq not in step.seqs:
-                seq.drop_drafts()
+        if counts.drafted:
+            scheduled = set(step.seqs)
+            for seq in engine.scheduler.running:  # drafts of sequences the step does not run
+                if seq.num_draft and seq not in scheduled:
+                    seq.drop_drafts()
         engine._phase("schedule")
-        results: list[Result] = []
         if not step.seqs:
             engine._spec_counts = counts
             engine._report(step, t0, 0)
-            return results
+            return []
         for seq in step.seqs:
             if seq.scheduled is None:
                 seq.scheduled = t0
-        batch = engine.runner.prepare(step.seqs, step.num_tokens, step.samples)
         sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
-        widths = [1 + s.num_draft for s in sampling]
-        ends = np.cumsum(np.asarray(step.num_tokens, dtype=np.int64))[np.asarray(step.samples, dtype=bool)]
-        w = np.asarray(widths, dtype=np.int64)
-        if int(w.sum()) != len(sampling):
-            rows = np.repeat(ends - w, w) + (np.arange(int(w.sum())) - np.repeat(np.cumsum(w) - w, w))
-            batch.sample_index = engine.runner._to_device(rows.astype(np.int64))
+        widths = np.fromiter((1 + s.num_draft for s in sampling), dtype=np.int64, count=len(sampling))
+        batch = engine.runner.prepare(step.seqs, step.num_tokens, step.samples, sample_widths=widths)
         engine._phase("prepare")
         logits = engine._device_call(engine.runner.forward, batch)
         engine._phase("launch")
-        rows_seq: list[Sequence] = []
-        steps: list[int] = []
-        bans: list[list[int]] = []
-        for seq, width in zip(sampling, widths):
-            g = seq.num_generated - seq.num_draft
-            rows_seq += [seq] * width
-            steps += range(g, g + width)
-            if g >= seq.request.sampling.min_tokens:  # past min_tokens at every position: nothing banned
-                bans += [_NO_BANS] * width
-            else:
-                bans += [engine._bans_at(seq, g + j) for j in range(width)]
-        bitmask = self._bitmask(sampling, widths, plans)
-        engine._phase("grammar_mask")
-        tokens: list[int] = []
-        logprobs = None
-        if sampling:
-            tokens_dev = engine._device_call(engine.runner.sample_tokens, logits, rows_seq, bans, bitmask, steps)
-            logprobs = engine.runner.token_logprobs(logits, rows_seq, tokens_dev)
-            if logprobs is not None:
-                logprobs = logprobs.to_host_async()
-            t = time.perf_counter()
-            tokens = tokens_dev.tolist()
-            engine._wait_s += time.perf_counter() - t
-        engine._phase("read_tokens")
-        now = time.perf_counter()
-        # accepted drafts and the emitted tokens of each sampling sequence
-        emitted: list[list[int]] = []
-        decoding: list[int] = []  # indices (into sampling) of the decoding sequences
-        row = 0
-        for seq, width in zip(sampling, widths):
-            out = tokens[row : row + width]
-            draft = seq.token_ids[len(seq.token_ids) - seq.num_draft :] if seq.num_draft else []
-            a = 0
-            while a < len(draft) and draft[a] == out[a]:
-                a += 1
-            emitted.append(out[: a + 1])
-            if seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_computed_tokens + 1 + seq.num_draft == seq.num_tokens:
-                counts.decode_rows += 1
-                decoding.append(len(emitted) - 1)
-            if seq.num_draft:
-                counts.rows += 1
-                counts.verified += seq.num_draft
-                counts.accepted += a
-                plan = plans.get(id(seq))
-                forced = min(plan.forced, seq.num_draft) if plan is not None else 0
-                text = min(plan.text, seq.num_draft - forced) if plan is not None else 0
-                counts.forced_verified += forced
-                counts.forced_accepted += min(a, forced)
-                counts.text_verified += text
-                counts.text_accepted += max(0, min(a - forced, text))
-                if seq.spec is not None and a >= forced + text:  # the n-gram part was reached: measure it
-                    seq.spec.length.update(seq.num_draft - forced - text, a - forced - text)
-            row += width
-        base_rows = np.cumsum([0] + widths[:-1]).tolist()
-        num_emitted = {}
-        for seq in sampling:
-            seq.drop_drafts()
-        # append column by column: one batched grammar accept per column
-        alive = list(range(len(sampling)))
-        col = 0
-        while alive:
-            pairs = [(sampling[i], emitted[i][col]) for i in alive]
-            verdicts = engine.grammar.accept(pairs)
-            still = []
-            for i, (seq, token), verdict in zip(alive, pairs, verdicts):
-                if logprobs is not None and seq.logprobs is not None:
-                    seq.logprobs.append(logprobs.entry(base_rows[i] + col, token))
-                num_emitted[i] = col + 1
-                if append_token(seq, token, now, verdict, engine.eos_token_ids, engine.max_model_len, engine.tokenizer):
-                    engine.scheduler.finish(seq)
-                    results.append(make_result(seq))
-                elif col + 1 < len(emitted[i]):
-                    still.append(i)
-            alive = still
-            col += 1
-        # tokens appended (a sequence that ends mid-draft, e.g. at an EOS the grammar forced, takes
-        # no token after its last)
-        counts.emitted += sum(num_emitted[i] for i in decoding)
-        # KV is valid for the last input token and the accepted drafts: that is what was computed
-        k_of = {id(s): i for i, s in enumerate(sampling)}
-        for idx, seq in enumerate(step.seqs):
-            i = k_of.get(id(seq))
-            if i is not None and widths[i] > 1:
-                step.num_tokens[idx] = num_emitted.get(i, 1)
-        engine.scheduler.complete_step(step)
+        tokens, logprobs = self._sample(engine, logits, sampling, widths, plans)
+        results = self._emit(engine, step, sampling, widths, tokens, logprobs, counts, plans)
         engine._phase("post")
         engine._spec_counts = counts
         engine._report(step, t0, len(results))
         return results
 
-    def _bitmask(self, sampling: list[Sequence], widths: list[int], plans: dict[int, _Plan]) -> torch.Tensor | None:
+    def _sample(self, engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray,
+                plans: dict[int, _Plan]) -> tuple[list[int], Any]:
+        """Draw every sampling row (sequence i's widths[i] positions) as plain decoding would draw
+        each position: its counter, its min_tokens bans, its grammar mask. The tokens and the
+        logprobs (on the host) where asked."""
+        first = generated_before(sampling)
+        steps = row_steps(first, widths)
+        bans = row_bans(sampling, widths, first, engine._bans_at)
+        bitmask = self._bitmask(sampling, widths, plans)
+        engine._phase("grammar_mask")
+        tokens: list[int] = []
+        logprobs = None
+        if sampling:
+            tokens_dev = engine._device_call(engine.runner.sample_tokens, logits, sampling, bans, bitmask, steps, widths)
+            logprobs = self._logprobs(engine, logits, sampling, widths, tokens_dev)
+            t = time.perf_counter()
+            tokens = tokens_dev.tolist()
+            engine._wait_s += time.perf_counter() - t
+        engine._phase("read_tokens")
+        return tokens, logprobs
+
+    @staticmethod
+    def _emit(engine: Any, step: Any, sampling: list[Sequence], widths: np.ndarray, tokens: list[int], logprobs: Any,
+              counts: SpecCounts, plans: dict[int, _Plan]) -> list[Result]:
+        """Accept each draft's matching prefix, append the emitted tokens, finish sequences, and
+        complete the step with the tokens whose KV it computed. The finished Results."""
+        now = time.perf_counter()
+        width_list = widths.tolist()
+        emitted, decoding = settle_drafts(sampling, width_list, tokens, counts, plans)
+        appended, results = append_emitted(engine, sampling, emitted, row_starts(widths).tolist(), logprobs, now)
+        # tokens appended (a sequence that ends mid-draft, e.g. at an EOS the grammar forced, takes
+        # no token after its last)
+        counts.emitted += sum(n for n, d in zip(appended, decoding) if d)
+        # KV is valid for the last input token and the accepted drafts: that is what was computed
+        for i, idx in enumerate(np.flatnonzero(np.asarray(step.samples, dtype=bool)).tolist()):
+            if width_list[i] > 1:
+                step.num_tokens[idx] = appended[i]
+        engine.scheduler.complete_step(step)
+        return results
+
+    @staticmethod
+    def _logprobs(engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray, tokens: torch.Tensor):
+        """The step's logprobs (copied to the host), when a sequence asks (those have no drafts)."""
+        if all(s.request.sampling.logprobs is None for s in sampling):
+            return None
+        rows_seq = [s for s, w in zip(sampling, widths.tolist()) for _ in range(w)]
+        logprobs = engine.runner.token_logprobs(logits, rows_seq, tokens)
+        return logprobs.to_host_async() if logprobs is not None else None
+
+    def _bitmask(self, sampling: list[Sequence], widths: np.ndarray, plans: dict[int, _Plan]) -> torch.Tensor | None:
         """int32 bitmask of every sampling position (rows of sequences without a grammar all -1)."""
         if not any(s.matcher is not None for s in sampling):
             return None
-        mask = torch.full((sum(widths), self.words), -1, dtype=torch.int32)
+        mask = torch.full((int(widths.sum()), self.words), -1, dtype=torch.int32)
         row = 0
-        for seq, width in zip(sampling, widths):
+        for seq, width in zip(sampling, widths.tolist()):
             if seq.matcher is not None:
                 plan = plans.get(id(seq))
                 if plan is not None and plan.masks is not None and plan.masks.shape[0] >= width:

@@ -350,7 +350,8 @@ def _grammar_masks(engine: object, before: tuple[int, int, int, float]) -> dict 
     computed, copied, cached, fill_s = (a - b for a, b in zip(_grammar_counts(engine), before))
     if not computed + copied + cached:
         return None
-    return {"computed": computed, "copied": copied, "cached": cached, "fill_s": fill_s}
+    kept, evicted = engine.grammar.cache_stats
+    return {"computed": computed, "copied": copied, "cached": cached, "fill_s": fill_s, "kept": kept, "evicted": evicted}
 
 
 def _record_oracle(cfg: EngineConfig, workload: str, scale: float, shard, spec_tokens: int, corrupt: float):
@@ -528,7 +529,8 @@ def format_report(r: dict) -> str:
     if gm:
         total = gm["computed"] + gm["copied"] + gm["cached"]
         lines.append(f"grammar masks: {total:,} rows: computed {gm['computed']:,} ({100 * gm['computed'] / total:.1f}%), "
-                     f"copied within a step {gm['copied']:,}, from the cache {gm['cached']:,}; fills ran {gm['fill_s']:.2f} s")
+                     f"copied within a step {gm['copied']:,}, from the cache {gm['cached']:,}; fills ran {gm['fill_s']:.2f} s; "
+                     f"cache holds {gm.get('kept', 0):,} masks ({gm.get('evicted', 0):,} evicted)")
     if r.get("data_parallel", 1) > 1:
         lines.append(
             f"data parallel: {r['data_parallel']} engines, aggregate {r['output_tokens_per_s']:,.0f} output tok/s; "

@@ -52,8 +52,9 @@ class EngineConfig:
         llguidance grammars carry a key of their state (structured/state_keys.py: inside a free string,
         where it opened and how many characters it holds), rows with equal keys copy one mask, and
         masks are kept by key across steps (engine/grammar.py, engine/mask_cache.py).
-    grammar_mask_cache_mb: with grammar_share_masks, the most MiB the masks kept across steps take
-        (a 151k vocabulary's mask is 19 KB); 0: shared within a step only.
+    grammar_mask_cache_mb: with grammar_share_masks, the most MiB of host memory the masks kept
+        across steps may take (the table grows as keys come; a 151k vocabulary's mask is 19 KB, so
+        1 GiB holds 56k states); 0: shared within a step only.
     seed: seeds the per-request seeds of requests that give none.
     load_format: safetensors (read the checkpoint) | random (random weights of the config's shapes:
         benchmarks of real shapes without a download).
@@ -97,7 +98,7 @@ class EngineConfig:
     grammar_backend: str = "auto"
     grammar_threads: int | None = None
     grammar_share_masks: bool = True
-    grammar_mask_cache_mb: int = 256
+    grammar_mask_cache_mb: int = 1024
     seed: int = 0
     load_format: str = "safetensors"
     torch_threads: int | None = None

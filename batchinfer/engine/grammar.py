@@ -75,7 +75,7 @@ class GrammarState:
     def __init__(
         self, tokenizer: Any, vocab_size: int, backend: str, eos_ids: Seq[int], fill_threads: int | None,
         max_rows: int, pin_memory: bool, compiler: Any = None, share_masks: bool = True,
-        mask_cache_bytes: int = 256 << 20,
+        mask_cache_bytes: int = 1 << 30,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -100,6 +100,11 @@ class GrammarState:
         self.rows_copied = 0
         self.rows_cached = 0
         self.fill_s = 0.0  # seconds the libraries' fills ran (PendingFill.fill_s), on any thread
+
+    @property
+    def cache_stats(self) -> tuple[int, int]:
+        """(masks kept across steps now, masks evicted to make room) of the mask cache."""
+        return len(self._cache), self._cache.evicted
 
     @property
     def in_use(self) -> bool:

@@ -26,6 +26,7 @@ class MaskCache:
         self._table = torch.empty((0, words), dtype=torch.int32)
         self._slot: dict[Hashable, int] = {}  # key -> table row, least recently used first
         self._free: list[int] = []
+        self.evicted = 0  # keys that gave up their row to a newer one
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -69,6 +70,7 @@ class MaskCache:
                 self._free = list(range(grown - 1, size - 1, -1))
             else:
                 oldest = next(iter(self._slot))
+                self.evicted += 1
                 return self._slot.pop(oldest)
         return self._free.pop()
 

@@ -95,8 +95,15 @@ def s3_parts(bucket: str, out: str = "out/extract") -> list[str]:
 
 
 def manifest_parts(uri: str) -> int:
+    """Parts in the run's manifest so far (read while the run writes it). moto's server answered a
+    read made during the run's PUT with half the object once, under load (S3 itself swaps whole
+    objects; moto's FakeKey rewrites its buffer in place): such a read counts as no part yet, and the
+    poll reads again."""
     m = layout.manifest_path(uri)
-    return len(json.loads(m.read_text())["parts"]) if m.exists() else 0
+    try:
+        return len(json.loads(m.read_text())["parts"]) if m.exists() else 0
+    except json.JSONDecodeError:
+        return 0
 
 
 def read_back(bucket: str, out: str = "out/extract") -> pa.Table:

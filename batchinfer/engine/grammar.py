@@ -136,8 +136,7 @@ class GrammarState:
             ok = constraint.kind == "json_schema" and getattr(grammar, "backend", None) == "llguidance"
             self._keyers[constraint] = (len(self._keyers), SchemaKeys(constraint.schema) if ok else None)
             if self._token_bytes is None:
-                vocab = self._compiler.vocab
-                self._token_bytes = [b if vocab.is_normal(i) else b"" for i, b in enumerate(vocab.token_bytes)]
+                self._token_bytes = self._compiler.vocab.text_bytes()
                 self._token_leads = [plain_leads(b) for b in self._token_bytes]
         return self._keyers[constraint]
 
@@ -279,15 +278,12 @@ class GrammarState:
             first = {k: r for k, r in fill.plan.first.items() if live[r]}  # a reset row is no source
         if missing:
             plan = self._plan(sampling, missing, first)
-            gather = self._gather(plan, mask)
-            if gather is not None:
-                gather()
-            # one batched call per grammar library, on the library's own threads (GIL released)
-            if plan.computed:
-                pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
-                                                    background=False)
-                pending.wait()
-                self.fill_s += pending.fill_s
+            # one batched call per grammar library, on the library's own threads (GIL released); the
+            # cached rows are copied first, on this thread (background=False)
+            pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
+                                                background=False, before=self._gather(plan, mask))
+            pending.wait()
+            self.fill_s += pending.fill_s
             self._finish(mask, plan)
         return mask
 

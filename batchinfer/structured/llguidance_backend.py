@@ -25,7 +25,7 @@ class _Wrapper:
         self.bos_token_id = None
         # Special ids get their marker bytes so llguidance can tell them apart; it never allows
         # special tokens in a grammar's text.
-        self.tokens = [b if vocab.is_normal(i) else b"" for i, b in enumerate(vocab.token_bytes)]
+        self.tokens = vocab.text_bytes()
         self.special_token_ids = sorted(vocab.special_ids)
         self._encode = vocab.encode
 

@@ -58,6 +58,10 @@ class Vocab:
         """True for an id that spells text (not special, not padding)."""
         return token_id not in self.special_ids and len(self.token_bytes[token_id]) > 0
 
+    def text_bytes(self) -> list[bytes]:
+        """The bytes each id adds to an answer's text: its token_bytes, b"" for special ids."""
+        return [b if self.is_normal(i) else b"" for i, b in enumerate(self.token_bytes)]
+
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes[i] for i in ids if self.is_normal(i)).decode("utf-8", "replace")
 

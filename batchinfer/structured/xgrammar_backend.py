@@ -111,7 +111,7 @@ class XGrammarBackend:
         self.vocab = vocab
         self._fill_threads = fill_threads  # batch fill pool size; None: xgrammar's default
         # Special ids and padding spell b"" so xgrammar never allows them; EOS comes via stop ids.
-        encoded = [b if vocab.is_normal(i) else b"" for i, b in enumerate(vocab.token_bytes)]
+        encoded = vocab.text_bytes()
         self._info = xgr.TokenizerInfo(
             encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size, stop_token_ids=list(vocab.eos_ids)
         )

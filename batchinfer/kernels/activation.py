@@ -17,7 +17,16 @@ import triton
 import triton.language as tl
 
 from batchinfer.kernels._util import check_last_dim_contiguous, pow2
-from batchinfer.kernels.fp8_quant import FP8_MAX, MIN_SCALE, round_to_e4m3
+from batchinfer.kernels.fp8_quant import FP8_MAX, MIN_SCALE, e4m3_scale, to_e4m3
+
+
+@triton.jit
+def _silu_mul_tile(x_ptr, row, s_x, D, cols, mask):
+    """silu(gate) * up at columns `cols` of a row, rounded to x's dtype as silu_and_mul stores it (float32)."""
+    gate = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * s_x + D + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -25,10 +34,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, D, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
-    gate = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * s_x + D + offs, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
-    out = act.to(tl.float32) * up.to(tl.float32)
+    out = _silu_mul_tile(x_ptr, row, s_x, D, offs, mask)  # values of x's dtype: the store below is exact
     tl.store(out_ptr + row * s_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -54,21 +60,13 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, s_x, s_q, D, fp8_max, min_
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, D, BLOCK):
-        mask = start + offs < D
-        gate = tl.load(x_ptr + row * s_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * s_x + D + start + offs, mask=mask, other=0.0)
-        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
-        out = (act.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        out = _silu_mul_tile(x_ptr, row, s_x, D, start + offs, start + offs < D)
         amax = tl.maximum(amax, tl.abs(out))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), fp8_max), min_scale)
+    scale = e4m3_scale(tl.max(amax, 0), fp8_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, D, BLOCK):
         mask = start + offs < D
-        gate = tl.load(x_ptr + row * s_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * s_x + D + start + offs, mask=mask, other=0.0)
-        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
-        out = (act.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(out, scale), -fp8_max), fp8_max))
+        q = to_e4m3(_silu_mul_tile(x_ptr, row, s_x, D, start + offs, mask), scale, fp8_max)
         tl.store(q_ptr + row * s_q + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from batchinfer.kernels._util import check_last_dim_contiguous, pow2
-from batchinfer.kernels.fp8_quant import FP8_MAX, round_to_e4m3
+from batchinfer.kernels.fp8_quant import FP8_MAX, to_e4m3
 
 
 @triton.jit
@@ -40,8 +40,8 @@ def _reshape_and_cache_kernel(
     kc = k_cache_ptr + block * s_kcb + offset * s_kcs + offs_h[:, None] * s_kch + offs_d[None, :]
     vc = v_cache_ptr + block * s_vcb + offset * s_vcs + offs_h[:, None] * s_vch + offs_d[None, :]
     if FP8:
-        k = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), k_scale), -fp8_max), fp8_max))
-        v = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), v_scale), -fp8_max), fp8_max))
+        k = to_e4m3(k.to(tl.float32), k_scale, fp8_max)
+        v = to_e4m3(v.to(tl.float32), v_scale, fp8_max)
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -37,6 +37,19 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def to_e4m3(x, scale, fp8_max):
+    """float32 x divided by its scale (rounded to nearest), clamped to +-fp8_max and rounded to e4m3,
+    still float32: every FP8 write of the kernels goes through here."""
+    return round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max))
+
+
+@triton.jit
+def e4m3_scale(amax, fp8_max, min_scale):
+    """The per-token scale of a row whose largest magnitude is amax: amax / fp8_max, at least min_scale."""
+    return tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)
+
+
+@triton.jit
 def _quant_fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, s_x, s_q, K, fp8_max, min_scale, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -45,12 +58,12 @@ def _quant_fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, s_x, s_q, K, fp8_max, min_sc
         mask = start + offs < K
         x = tl.load(x_ptr + row * s_x + start + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), fp8_max), min_scale)
+    scale = e4m3_scale(tl.max(amax, 0), fp8_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         mask = start + offs < K
         x = tl.load(x_ptr + row * s_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max))
+        q = to_e4m3(x, scale, fp8_max)
         tl.store(q_ptr + row * s_q + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from batchinfer.kernels._util import pow2
-from batchinfer.kernels.fp8_quant import FP8_MAX, MIN_SCALE, round_to_e4m3
+from batchinfer.kernels.fp8_quant import FP8_MAX, MIN_SCALE, e4m3_scale, to_e4m3
 
 
 @triton.jit
@@ -47,9 +47,9 @@ def _rms_norm_kernel(
     y = w.to(tl.float32) * normed.to(tl.float32)
     if FP8_OUT:  # per-token e4m3 of the row rounded to x's dtype (what the plain kernel would store)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), fp8_max), min_scale)
+        scale = e4m3_scale(tl.max(tl.abs(y), 0), fp8_max, min_scale)
         tl.store(scale_ptr + row, scale)
-        y = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -fp8_max), fp8_max))
+        y = to_e4m3(y, scale, fp8_max)
     tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 from batchinfer.kernels._util import check_attention_inputs, dot_precision, pow2
 from batchinfer.kernels.decode_balanced import balanced_decode_attention
 from batchinfer.kernels.decode_launch import DecodeLaunch, launch_config
+from batchinfer.kernels.decode_range import attend_range
 
 LOG2E = 1.4426950408889634
 
@@ -58,37 +59,11 @@ def _decode_split_kernel(
         q_ptr + b64 * s_qb + heads[:, None] * s_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :], other=0.0,
     )
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-
-    table = block_tables_ptr + b64 * s_bt
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n
-        mask_n = tok < end
-        block = tl.load(table + tok // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        in_block = tok % BLOCK_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_cache_ptr + (block * s_kb + in_block * s_ks + kv_head * s_kh)[:, None] + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        if k.dtype != q.dtype:  # an FP8 cache widens exactly (its K scale is in sm_scale_log2, its V scale
-            k = k.to(tl.float32).to(q.dtype)  # applied at the end); via float32: the interpreter's FP8 -> bf16 cast is wrong
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + (block * s_vb + in_block * s_vs + kv_head * s_vh)[:, None] + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        if v.dtype != q.dtype:
-            v = v.to(tl.float32).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    m_i, l_i, acc = attend_range(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + b64 * s_bt, kv_head, start, end,
+        s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, sm_scale_log2, offs_n, offs_d, mask_d,
+        BLOCK_SIZE, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PREC,
+    )
 
     has = l_i > 0.0
     out = acc * v_scale / tl.where(has, l_i, 1.0)[:, None]

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from batchinfer.kernels._util import check_attention_inputs, dot_precision, pow2
+from batchinfer.kernels.decode_range import attend_range
 
 LOG2E = 1.4426950408889634
 BLOCK_B = 128  # sequence lengths read per iteration when locating a range
@@ -86,32 +87,11 @@ def _balanced_split_kernel(
         if a < e:
             b64 = i.to(tl.int64)
             q = tl.load(q_ptr + b64 * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=mask_hd, other=0.0)
-            m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            table = block_tables_ptr + b64 * s_bt
-            for n0 in range(a, e, BLOCK_N):
-                tok = n0 + offs_n
-                mask_n = tok < e
-                block = tl.load(table + tok // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-                in_block = tok % BLOCK_SIZE
-                kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-                k = tl.load(k_cache_ptr + (block * s_kb + in_block * s_ks + kv_head * s_kh)[:, None] + offs_d[None, :],
-                            mask=kv_mask, other=0.0)
-                if k.dtype != q.dtype:  # FP8 cache: widened exactly, via float32 (see decode_attention.py)
-                    k = k.to(tl.float32).to(q.dtype)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-                s = tl.where(mask_n[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                pr = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(pr, 1)
-                v = tl.load(v_cache_ptr + (block * s_vb + in_block * s_vs + kv_head * s_vh)[:, None] + offs_d[None, :],
-                            mask=kv_mask, other=0.0)
-                if v.dtype != q.dtype:
-                    v = v.to(tl.float32).to(q.dtype)
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PREC)
-                m_i = m_new
+            m_i, l_i, acc = attend_range(
+                q, k_cache_ptr, v_cache_ptr, block_tables_ptr + b64 * s_bt, kv_head, a, e,
+                s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, sm_scale_log2, offs_n, offs_d, offs_d < HEAD_DIM,
+                BLOCK_SIZE, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PREC,
+            )
             out = acc * v_scale / l_i[:, None]
             if (a == 0) & (e == seq_len):  # the whole sequence: the final output
                 tl.store(out_ptr + b64 * s_ob + heads[:, None] * s_oh + offs_d[None, :],

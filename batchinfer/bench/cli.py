@@ -73,6 +73,8 @@ def throughput(
     ),
     spec_tokens: int = typer.Option(4, "--spec-tokens", help="Most draft tokens per sequence and step."),
     oracle_corrupt: float = typer.Option(0.0, "--oracle-corrupt", help="With --speculative oracle: share of draft tokens corrupted."),
+    spec_gate: bool = typer.Option(False, "--spec-gate/--no-spec-gate",
+                                   help="With --speculative: draft only where steps with drafts measure faster than plain ones."),
     set_: Optional[list[str]] = typer.Option(
         None, "--set", help="Set an EngineConfig field (field=value, YAML value), e.g. prefill_policy=slack; repeatable."
     ),
@@ -113,7 +115,8 @@ def throughput(
         if speculative is not None and data_parallel not in (None, 1):
             raise ValueError("--speculative runs with one engine (no --data-parallel)")
         result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir,
-                                speculative=speculative, spec_tokens=spec_tokens, oracle_corrupt=oracle_corrupt)
+                                speculative=speculative, spec_tokens=spec_tokens, oracle_corrupt=oracle_corrupt,
+                                spec_gate=spec_gate)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -129,6 +129,7 @@ def run_throughput(
     speculative: str | None = None,
     spec_tokens: int = 4,
     oracle_corrupt: float = 0.0,
+    spec_gate: bool = False,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
 
@@ -141,7 +142,7 @@ def run_throughput(
     speculative: ngram | grammar | ngram+grammar | oracle (engine.speculative with spec_tokens drafts);
     oracle: the workload runs plain once (untimed, its own engine) to record every request's output,
     then the measured run drafts that output with a share oracle_corrupt of draft tokens corrupted
-    (bench/oracle.py).
+    (bench/oracle.py). spec_gate: speculate only where it measures faster (engine.speculative.gate).
     """
     if data_parallel not in (None, 1):
         return run_throughput_data_parallel(model, workload, data_parallel, engine_overrides, scale, cache_dir)
@@ -154,7 +155,7 @@ def run_throughput(
         if speculative == "oracle":
             drafter = _record_oracle(cfg, workload, scale, shard, spec_tokens, oracle_corrupt)
         method = "ngram+grammar" if speculative == "oracle" else speculative
-        cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens})
+        cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens, "gate": spec_gate})
     t_load = time.perf_counter()
     bench = BenchEngine(cfg, drafter)
     load_s = time.perf_counter() - t_load
@@ -331,6 +332,7 @@ def measure_workload(
         "cpu_share_of_step": (sum(cpu_ms) / sum(step_ms)) if cpu_ms and step_ms and sum(step_ms) > 0 else None,
         "step_breakdown": breakdown,
         "speculative": spec_summary(steps) if cfg.speculative is not None else None,
+        "speculation_gate": _gate_summary(engine),
         "grammar_masks": _grammar_masks(engine, grammar0),
         "oracle_corrupt": oracle_corrupt if speculative == "oracle" else None,
         "kernels_compiled_during_run": compiled,
@@ -364,6 +366,14 @@ def _record_oracle(cfg: EngineConfig, workload: str, scale: float, shard, spec_t
         truth = {r.request_id: r.output_token_ids for r in plain.generate(wl.requests)}
         vocab = plain.model_info.vocab_size
     return oracle_drafter(truth, corrupt, vocab)
+
+
+def _gate_summary(engine) -> dict | None:
+    """Steps the speculation gate ran with and without drafts, and its measured rates (engine/spec_gate.py)."""
+    gate = engine.speculator.gate if engine.speculator is not None else None
+    if gate is None:
+        return None
+    return {"steps": dict(gate.steps), "tokens_per_s": {str(k): v for k, v in gate.rates().items()}}
 
 
 def spec_summary(steps) -> dict:
@@ -498,6 +508,14 @@ def format_report(r: dict) -> str:
             f"tokens per sequence per forward {fmt(sp['tokens_per_seq_per_forward'])}"
             + (f"; oracle corrupt {r['oracle_corrupt']}" if r.get("oracle_corrupt") is not None else "")
         )
+        gate = r.get("speculation_gate")
+        if gate:
+            rates = "; ".join(
+                f"{rows}+ seqs: " + ", ".join(f"{m} {'n/a' if v is None else f'{v:,.0f}'}" for m, v in modes.items())
+                for rows, modes in gate["tokens_per_s"].items()
+            )
+            lines.append(f"speculation gate: {gate['steps']['speculate']:,} steps with drafts, {gate['steps']['plain']:,} plain"
+                         f" (tokens/s by running sequences: {rates})")
         for name, c in (sp.get("sources") or {}).items():
             label = {"forced": "grammar-forced", "text": "grammar-text"}.get(name, name)
             if name == "ngram" and r.get("oracle_corrupt") is not None:

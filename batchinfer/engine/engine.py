@@ -162,6 +162,7 @@ class Engine:
             if config.speculative is not None else None
         )
         self._spec_counts: SpecCounts | None = None  # the current step's, when speculating
+        self._appended = 0  # output tokens appended to sequences so far (the speculation gate's measure)
 
     def _prefill_policy(self):
         """The scheduler's prefill policy by EngineConfig.prefill_policy; slack gets the step cost
@@ -273,10 +274,27 @@ class Engine:
     # --- one step ---------------------------------------------------------------------------
 
     def _step(self) -> list[Result]:
-        """One loop iteration: schedule and launch step N+1, read and post-process step N (see the
-        module docstring). Returns the requests that finished."""
-        if self.speculator is not None:
-            return self.speculator.step(self)  # serial steps with drafts (engine/speculative.py)
+        """One loop iteration; returns the requests that finished. With speculation, a serial step
+        with drafts (engine/speculative.py) where the gate (engine/spec_gate.py) measures that it
+        pays, else a plain one."""
+        spec = self.speculator
+        if spec is None:
+            return self._plain_step()
+        if spec.gate is None:
+            return spec.step(self)
+        t, rows, before = time.perf_counter(), len(self.scheduler.running), self._appended
+        drafts = spec.gate.choose(rows)
+        if drafts:
+            results = self._read_inflight(None)[0] if self._inflight is not None else []  # verify steps run serially
+            results += spec.step(self)
+        else:
+            results = self._plain_step()
+        spec.gate.record(rows, drafts, self._appended - before, time.perf_counter() - t)
+        return results
+
+    def _plain_step(self) -> list[Result]:
+        """One loop iteration without drafts: schedule and launch step N+1, read and post-process
+        step N (see the module docstring)."""
         t0 = time.perf_counter()
         self._wait_s, self._idle_ms = 0.0, None
         self._phases, self._phase_t = {}, t0
@@ -389,6 +407,7 @@ class Engine:
         """Second half: swap each placeholder for its token, check stops, finish sequences."""
         now, rows, verdicts, fill = read.now, read.rows, read.verdicts, read.fill
         results = []
+        self._appended += len(rows)
         for (seq, token), verdict in zip(rows, verdicts):
             seq.token_ids.pop()  # the placeholder
             if read.logprobs is not None and seq.logprobs is not None:

@@ -33,8 +33,11 @@ fit, a preempted sequence drops them. The n-gram draft length adapts per sequenc
 acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are rarely right, probed
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
-Speculation runs the serial loop (EngineConfig.overlap is ignored) and fills the masks of drafted
-positions on the loop's thread. Nothing of a verify step's host work hides behind the device, so it
+Whether a step drafts at all is measured (engine/spec_gate.py SpecGate, `gate`): per batch size,
+the output rate of steps with drafts against plain steps, which run the ordinary overlapped loop;
+the better one runs, the other is probed now and then.
+Steps with drafts run the serial loop (EngineConfig.overlap does not apply to them) and fill the
+masks of drafted positions on the loop's thread. Nothing of a verify step's host work hides behind the device, so it
 is kept to one pass per sequence per phase and numpy per row (engine/verify.py: counters, bans,
 accepted prefixes, appending; the runner packs the verify rows' sample index with the step's
 inputs, and the sampler's per-sequence parameters are repeated per row, not rebuilt;
@@ -57,6 +60,7 @@ import torch
 from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
 from batchinfer.engine.request import Result
 from batchinfer.engine.sequence import Sequence
+from batchinfer.engine.spec_gate import SpecGate
 from batchinfer.engine.verify import (
     append_emitted,
     generated_before,
@@ -81,7 +85,9 @@ class SpeculativeConfig:
     n-gram draft length to its acceptance (off: always as many as fit); accept_threshold: with
     adaptive, draft the j-th n-gram token while the estimated chance that it is accepted is at
     least this; probe_interval: steps between one-token probes of a sequence whose n-gram drafts
-    are off (engine/drafts.py DraftLength)."""
+    are off (engine/drafts.py DraftLength); gate: speculate only where steps with drafts measure
+    a higher output rate than plain steps (engine/spec_gate.py); off: every step drafts (the
+    default until the gate is measured on a GPU)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 
@@ -92,6 +98,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     accept_threshold: float = 0.1
     probe_interval: int = 8
+    gate: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -204,6 +211,7 @@ class Speculator:
         self.key_of = match_keys(tokenizer, vocab_size) if tokenizer is not None and config.uses_ngram else (
             np.arange(vocab_size, dtype=np.int64))
         self.forced_text = ForcedText(tokenizer) if tokenizer is not None and config.uses_grammar else None
+        self.gate = SpecGate() if config.gate else None
 
     # --- drafting ---------------------------------------------------------------------------
 
@@ -374,6 +382,7 @@ class Speculator:
         width_list = widths.tolist()
         emitted, decoding = settle_drafts(sampling, width_list, tokens, counts, plans)
         appended, results = append_emitted(engine, sampling, emitted, row_starts(widths).tolist(), logprobs, now)
+        engine._appended += sum(appended)
         # tokens appended (a sequence that ends mid-draft, e.g. at an EOS the grammar forced, takes
         # no token after its last)
         counts.emitted += sum(n for n, d in zip(appended, decoding) if d)

@@ -104,6 +104,9 @@ def run_one(cfg: BenchConfig, backend: str) -> dict:
         # the library fill's own time per full decode step: on a GPU host this is what the step
         # waits for once it exceeds the forward (here it hides under the CPU forward, so host_ms omits it)
         "full_decode_fill_ms_mean": statistics.fmean(full_fill) if full_fill else None,
+        # host ms by phase (StepStats.phases_ms) averaged over the full decode steps
+        "full_decode_phases_ms": {k: round(statistics.fmean(s.phases_ms.get(k, 0.0) for s in full), 3)
+                                  for k in sorted({k for s in full for k in s.phases_ms})} if full else None,
         "mask_rows_computed": engine.grammar.rows_computed - computed0,
         "mask_rows_copied": engine.grammar.rows_copied - copied0,
         "mask_rows_cached": engine.grammar.rows_cached - cached0,

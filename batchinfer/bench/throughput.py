@@ -36,6 +36,7 @@ def _model_folder(model: str, cache_dir: Path) -> tuple[str, str]:
 
 PROFILE_ENV = "BATCHINFER_PROFILE_DIR"  # a folder: profile a window of steps into it
 PROFILE_START_ENV = "BATCHINFER_PROFILE_START"  # steps of the measured run before the window
+PROFILE_STEPS_ENV = "BATCHINFER_PROFILE_STEPS"  # steps in the window (default 5)
 
 
 class StepWindowProfiler:
@@ -230,7 +231,10 @@ def measure_workload(
     profile_dir = profile_dir or (Path(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None)
     profiler = None
     if profile_dir is not None:
-        profiler = bench.profiler = StepWindowProfiler(profile_dir, start_step=int(os.environ.get(PROFILE_START_ENV, "60")))
+        profiler = bench.profiler = StepWindowProfiler(
+            profile_dir, start_step=int(os.environ.get(PROFILE_START_ENV, "60")),
+            num_steps=int(os.environ.get(PROFILE_STEPS_ENV, "5")),
+        )
 
     jit_before = _jit_snapshot()
     if before_measure is not None:

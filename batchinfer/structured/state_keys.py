@@ -13,11 +13,18 @@ depend on the text:
   quote, the character count and those pending bytes. A string with an escape falls back to its
   text until it closes (llguidance counts an escape as one character, and the key need not know);
 - once a free string or a plain number (`type: integer|number` with bounds) is complete, its
-  content no longer matters to what may follow: the key keeps `""` and `0` in its place.
+  content no longer matters to what may follow: the key keeps `""` and `0` in its place;
+- the same holds for ANY complete scalar value (an enum or pattern string, a number, true / false /
+  null, a value under anyOf) that is a property or item of a container this module follows (an
+  object or array whose schema has only the keywords of CONTAINER): what may follow it depends on
+  the container's schema, the keys written and the item count, which all stay in the key, not on
+  the value. (A container with any other keyword, such as uniqueItems, dependentRequired, if or
+  anyOf, is not followed: its values stay as written.)
 
-Everything else (object keys, enum and pattern strings, anything under anyOf/oneOf/allOf/if/not/$ref
-that leaves this file, uniqueItems, unknown keywords) stays in the key as written, so a schema this
-module does not understand only costs sharing, never correctness. The counting rules are those of
+Everything else (object keys, strings and numbers in progress that are not free, containers this
+module does not follow, anything under anyOf/oneOf/allOf/if/not/$ref that leaves this file, unknown
+keywords) stays in the key as written, so a schema this module does not understand only costs
+sharing, never correctness. The counting rules are those of
 llguidance (maxLength counts code points, an escape is one): keys are only made for grammars it
 compiled (GrammarState), and tests check the masks of equal keys against fresh matchers.
 
@@ -218,6 +225,15 @@ class KeyTrack:
         f = self._frames[-1]
         return self._s.child_of_array(f.node, f.index) if f.array else self._s.child_of_object(f.node, f.key)
 
+    def _elides_values(self) -> bool:
+        """Whether a complete scalar value here may be elided: it is a property or item of a
+        container whose schema this module follows (module docstring). A frame's node is None when
+        an enclosing container is not followed, so the innermost frame decides."""
+        if not self._frames:
+            return False
+        node = self._frames[-1].node
+        return node is not None and not node.keys() - CONTAINER
+
     def _expect(self) -> int:
         return self._frames[-1].expect if self._frames else (DONE if self._root_done else VALUE)
 
@@ -236,7 +252,7 @@ class KeyTrack:
             if b in NUMBER_BYTES:
                 self._text.append(b)
                 return
-            plain = self._s.is_plain_number(self._node_at_lexeme)
+            plain = self._s.is_plain_number(self._node_at_lexeme) or self._elides_values()
             self._skel += b"0" if plain else self._text
             self._end_lexeme()
             self._value_done()
@@ -244,7 +260,7 @@ class KeyTrack:
             self._text.append(b)
             word = bytes(self._text)
             if word in LITERALS:
-                self._skel += word
+                self._skel += b"0" if self._elides_values() else word
                 self._end_lexeme()
                 self._value_done()
             elif not any(w.startswith(word) for w in LITERALS):
@@ -337,7 +353,7 @@ class KeyTrack:
             self._frames[-1].expect = COLON
             self._end_lexeme()
             return
-        if not self._free:
+        if not self._free and not self._elides_values():
             self._skel += self._text
         self._skel.append(b)
         self._end_lexeme()

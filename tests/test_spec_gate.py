@@ -9,12 +9,19 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_speculative import (
+    EXAMPLES,
+    assert_same,
+    make_engine,
+    oracle,
+    rand_prompt,
+    run,
+)
 
 from batchinfer.engine import Request, SamplingParams
 from batchinfer.engine.spec_gate import GateConfig, SpecGate, bucket_of
 from batchinfer.structured.base import Constraint
 from batchinfer.structured.validate import validate_output
-from test_speculative import EXAMPLES, assert_same, make_engine, oracle, rand_prompt, run
 
 
 def simulate(gate: SpecGate, rate, steps: int, rows: int = 100) -> list[bool]:

@@ -533,6 +533,37 @@ def get_model(
     )
 
 
+@app.command("quantize-fp8")
+def quantize_fp8(
+    src: Path = typer.Argument(..., help="a Hugging Face model folder (16- or 32-bit weights)", show_default=False),
+    dst: Path = typer.Argument(..., help="folder to write the FP8 checkpoint to (new or empty)", show_default=False),
+    calibration: Path = typer.Option(..., "--calibration", help="JSONL or Parquet rows of calibration text", show_default=False),
+    field: str = typer.Option("text", "--field", help="the rows' text field"),
+    samples: int = typer.Option(64, "--samples", help="calibration rows used"),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="tokens kept of each row"),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap each text as a user message (the chat template)"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+) -> None:
+    """Write an FP8 checkpoint whose weights are rounded with error compensation (GPTQ) on calibration
+    text: more accurate than rounding at load (model.quantization fp8) on small models; the engine
+    loads it as it is (compressed-tensors float8)."""
+    from batchinfer.convert.fp8_gptq import calibration_ids, quantize_checkpoint
+    from batchinfer.models.loader import load_tokenizer
+
+    try:
+        if not (src / "config.json").is_file():
+            raise ValueError(f"{src}: not a model folder (no config.json)")
+        if not calibration.is_file():
+            raise ValueError(f"--calibration {calibration}: no such file")
+        ids = calibration_ids(calibration, load_tokenizer(str(src)), field, samples, max_tokens, chat)
+        r = quantize_checkpoint(src, dst, ids, device,
+                                progress=lambda i, n: typer.echo(f"layer {i}/{n} rounded", err=True))
+    except (ValueError, OSError, *_user_errors()) as e:
+        raise _fail(str(e), EXIT_INVALID) from None
+    typer.echo(f"wrote {dst}: {r.projections} projections of {r.layers} layers in FP8 (GPTQ on {len(ids)} rows, "
+               f"{r.calibration_tokens:,} tokens) in {r.seconds:.1f} s")
+
+
 @app.command("convert-gguf")
 def convert_gguf(
     file: Path = typer.Argument(..., help="a .gguf file (llama, mistral, qwen2 or qwen3 architecture)", show_default=False),

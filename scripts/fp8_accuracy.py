@@ -31,7 +31,11 @@ QUESTIONS = ("Who issued this document?", "What is the total?", "What is the dat
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from batchinfer.convert.fp8_gptq import channel_scales, fake_quant_tokens, quantize_fp8_gptq
+    from batchinfer.convert.fp8_gptq import (
+        channel_scales,
+        fake_quant_tokens,
+        quantize_fp8_gptq,
+    )
     from batchinfer.convert.get_model import default_model_dir, get_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

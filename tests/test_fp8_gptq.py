@@ -88,6 +88,17 @@ def test_checkpoint_loads_as_fp8_and_beats_rounding_at_load(model_factory, tmp_p
     assert (gptq - ref).norm() < (rtn - ref).norm()
 
 
+def test_a_16_bit_checkpoint_keeps_its_other_tensors_16_bit(model_factory, tmp_path):
+    from safetensors.torch import load_file
+
+    src = model_factory("qwen3", torch_dtype="bfloat16")
+    quantize_checkpoint(src, tmp_path / "fp8", _calibration(512, n=2, length=16))
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    assert stored["model.norm.weight"].dtype == torch.bfloat16
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+
+
 def test_cli_writes_a_checkpoint_and_names_what_is_wrong(model_factory, tmp_path):
     src = model_factory("llama")
     rows = tmp_path / "cal.jsonl"

@@ -203,6 +203,10 @@ def write_checkpoint(src: Path, dst: Path, model: Any, rounded: dict[str, tuple[
     for path in src.iterdir():
         if path.is_file() and not path.name.endswith((".safetensors", ".bin")) and path.name != "model.safetensors.index.json":
             shutil.copy2(path, dst / path.name)
+    cfg = json.loads((src / "config.json").read_text())
+    # the other tensors (embeddings, norms, biases) in the checkpoint's own dtype: the model was
+    # loaded in float32 for the rounding, but a 16-bit checkpoint stays 16-bit there
+    dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
     tensors: dict[str, torch.Tensor] = {}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, t in model.state_dict().items():
@@ -213,9 +217,9 @@ def write_checkpoint(src: Path, dst: Path, model: Any, rounded: dict[str, tuple[
             q, scale = rounded[base]
             tensors[name], tensors[f"{base}.weight_scale"] = q.contiguous(), scale.contiguous()
         else:
-            tensors[name] = t.detach().cpu().contiguous()
+            t = t.detach().cpu()
+            tensors[name] = (t.to(dtype) if t.is_floating_point() and isinstance(dtype, torch.dtype) else t).contiguous()
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",

@@ -15,11 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from paged_batch import PagedSequences, make_caches
 from typer.testing import CliRunner
 
 from batchinfer.cli import app
-from batchinfer.convert.fp8_gptq import channel_scales, fake_quant_tokens, gptq_fp8, quantize_checkpoint
-from paged_batch import PagedSequences, make_caches
+from batchinfer.convert.fp8_gptq import (
+    channel_scales,
+    fake_quant_tokens,
+    gptq_fp8,
+    quantize_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,9 +129,10 @@ def test_cli_writes_a_checkpoint_and_names_what_is_wrong(model_factory, tmp_path
 def test_gptq_on_smollm2_agrees_more_than_rounding_at_load(smollm2, tmp_path):
     """SmolLM2-135M-Instruct, calibrated on examples/data/docs.jsonl with questions (not the evaluated invoices):
     teacher-forced greedy agreement with float32 over 48 invoice prompts x 32 tokens."""
+    from test_fp8_real import QUESTIONS, _agreement
+
     from batchinfer.convert.fp8_gptq import calibration_ids
     from batchinfer.engine import Engine, EngineConfig, Request, SamplingParams
-    from test_fp8_real import QUESTIONS, _agreement
 
     docs = [json.loads(line) for line in (ROOT / "examples" / "data" / "invoices.jsonl").read_text().splitlines() if line.strip()]
     with Engine(EngineConfig(model=str(smollm2), dtype="float32", device="cpu", num_kv_blocks=512)) as engine:

@@ -152,7 +152,7 @@ def quantize_fp8_gptq(
             sums = {n: None for n in projs}
             counts = dict.fromkeys(projs, 0)
 
-            def collect(name):
+            def collect(name, sums=sums, counts=counts):
                 def hook(_mod, args):
                     x = fake_quant_tokens(args[0]).reshape(-1, args[0].shape[-1]).double()
                     h = x.T @ x

@@ -30,7 +30,7 @@ def simulate(gate: SpecGate, rate, steps: int, rows: int = 100) -> list[bool]:
     for i in range(steps):
         spec = gate.choose(rows)
         chosen.append(spec)
-        gate.record(rows, spec, int(rate(spec, i) * 0.01), 0.01)
+        gate.record(rows, spec, round(rate(spec, i) * 0.1), 0.1)  # 0.1 s steps: rates >= 100 keep 1% resolution
     return chosen
 
 

@@ -31,12 +31,9 @@ QUESTIONS = ("Who issued this document?", "What is the total?", "What is the dat
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from batchinfer.convert.fp8_gptq import (
-        channel_scales,
-        fake_quant_tokens,
-        quantize_fp8_gptq,
-    )
+    from batchinfer.convert.fp8_gptq import fake_quant_tokens, quantize_fp8_gptq
     from batchinfer.convert.get_model import default_model_dir, get_model
+    from batchinfer.models.quant import dequantize_rows, quantize_rows
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="act,rtn,rtn-w,gptq,gptq-w")
@@ -85,9 +82,8 @@ def main() -> None:
         for n, m in linears.items():
             m.weight.data = fn(original[n])
 
-    def rtn(w):
-        s = channel_scales(w)
-        return (w / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+    def rtn(w):  # rounded to nearest, as model.quantization fp8 does at load
+        return dequantize_rows(*quantize_rows(w))
 
     def report(name, result):
         a, t = result

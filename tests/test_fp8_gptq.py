@@ -19,19 +19,20 @@ from paged_batch import PagedSequences, make_caches
 from typer.testing import CliRunner
 
 from batchinfer.cli import app
-from batchinfer.convert.fp8_gptq import (
-    channel_scales,
-    fake_quant_tokens,
-    gptq_fp8,
-    quantize_checkpoint,
-)
+from batchinfer.convert.fp8_gptq import fake_quant_tokens, gptq_fp8, quantize_checkpoint
+from batchinfer.models.quant import dequantize_rows, quantize_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rtn(w: torch.Tensor) -> torch.Tensor:
-    s = channel_scales(w)
-    return (w / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+    """w rounded to nearest on the engine's grid (what model.quantization fp8 does at load), widened."""
+    return dequantize_rows(*quantize_rows(w))
+
+
+def _scales(w: torch.Tensor) -> torch.Tensor:
+    """The engine's per-channel scales of w, [N, 1]."""
+    return quantize_rows(w)[1].reshape(-1, 1)
 
 
 def test_gptq_keeps_outputs_closer_than_rounding_to_nearest():
@@ -45,7 +46,7 @@ def test_gptq_keeps_outputs_closer_than_rounding_to_nearest():
     xq = fake_quant_tokens(x)
     q, scale = gptq_fp8(w, (xq.T @ xq).double() / t)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (n, 1)
-    assert torch.equal(scale, channel_scales(w))  # the engine's scales: the grid is the same
+    assert torch.equal(scale, _scales(w))  # the engine's scales: the grid is the same
     ref = xq @ w.T  # the weights' part of the error (the inputs' rounding is the same for both)
     err_gptq = (xq @ (q.float() * scale).T - ref).norm()
     err_rtn = (xq @ _rtn(w).T - ref).norm()
@@ -82,8 +83,8 @@ def test_checkpoint_loads_as_fp8_and_beats_rounding_at_load(model_factory, tmp_p
     original = load_file(str(next(src.glob("*.safetensors"))))
     w = "model.layers.0.mlp.down_proj.weight"
     assert stored[w].dtype == torch.float8_e4m3fn
-    assert torch.allclose(stored[w.replace("weight", "weight_scale")], channel_scales(original[w].float()))
-    assert not torch.equal(stored[w].view(torch.uint8), _rtn(original[w].float()).div(channel_scales(original[w].float())).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.allclose(stored[w.replace("weight", "weight_scale")], _scales(original[w]))
+    assert not torch.equal(stored[w].view(torch.uint8), quantize_rows(original[w])[0].view(torch.uint8))  # not rounded to nearest
     # the engine loads it as stored (an FP8 checkpoint), and on the calibration text its logits are
     # closer to the float model's than those of the same weights rounded at load
     ref, _ = _logits(src, "none", calib)

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-FP8_MAX = 448.0
+from batchinfer.models.quant import FP8_DTYPE, FP8_MAX, quantize_rows, quantize_tokens
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -60,24 +61,22 @@ class QuantizeReport:
 
 
 def fake_quant_tokens(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to e4m3 with one scale per token (row), as the engine's FP8 projections see it."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
-
-
-def channel_scales(w: torch.Tensor) -> torch.Tensor:
-    """Per output channel: amax(|row|) / 448 (the engine's scale), float32 [N, 1]."""
-    return (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    """x [..., K] rounded to e4m3 with one scale per token, by the engine's own quantisation
+    (models/quant.py quantize_tokens), widened back: what the engine's FP8 projections see."""
+    q, scale = quantize_tokens(x.reshape(-1, x.shape[-1]))
+    return (q.float() * scale).to(x.dtype).reshape(x.shape)
 
 
 def _round(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    """w on the e4m3 grid of the given per-row scales (fixed by the original weights while GPTQ
+    updates the columns not yet rounded)."""
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def gptq_fp8(w: torch.Tensor, hessian: torch.Tensor, config: GptqConfig = GptqConfig()) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ of one weight W [N, K] against the input Hessian H [K, K] (mean of x x^T) on the e4m3
     grid with per-channel scales: (W_fp8 [N, K] float8_e4m3fn, scale [N, 1] float32)."""
-    scale = channel_scales(w).double()
+    scale = quantize_rows(w)[1].reshape(-1, 1).double()  # the engine's per-channel scales
     W = w.double().clone()
     H = hessian.double().clone()
     k = W.shape[1]

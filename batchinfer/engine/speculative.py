@@ -37,13 +37,13 @@ Whether a step drafts at all is measured (engine/spec_gate.py SpecGate, `gate`):
 the output rate of steps with drafts against plain steps, which run the ordinary overlapped loop;
 the better one runs, the other is probed now and then.
 Steps with drafts run the serial loop (EngineConfig.overlap does not apply to them) and fill the
-masks of drafted positions on the loop's thread. Nothing of a verify step's host work hides behind the device, so it
-is kept to one pass per sequence per phase and numpy per row (engine/verify.py: counters, bans,
-accepted prefixes, appending; the runner packs the verify rows' sample index with the step's
-inputs, and the sampler's per-sequence parameters are repeated per row, not rebuilt;
-scripts/spec_host_bench.py measures it). On a GPU a step with drafts replays a CUDA graph: a mixed-step one
-where it samples at most max_num_seqs rows, else a verify graph (engine/cuda_graphs.py VerifyGraphs:
-every token row may sample, up to max_step_tokens tokens).
+masks of drafted positions on the loop's thread. Nothing of a verify step's host work hides behind
+the device, so it is kept to one pass per sequence per phase and numpy per row (engine/verify.py:
+counters, bans, accepted prefixes, appending; the runner packs the verify rows' sample index with
+the step's inputs, and the sampler's per-sequence parameters are repeated per row, not rebuilt;
+scripts/spec_host_bench.py measures it). On a GPU a step with drafts replays a CUDA graph: a
+mixed-step one where it samples at most max_num_seqs rows, else a verify graph
+(engine/cuda_graphs.py VerifyGraphs: every token row may sample, up to max_step_tokens tokens).
 Sequences that ask for logprobs get no drafts.
 """
 

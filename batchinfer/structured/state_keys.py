@@ -24,9 +24,9 @@ depend on the text:
 Everything else (object keys, strings and numbers in progress that are not free, containers this
 module does not follow, anything under anyOf/oneOf/allOf/if/not/$ref that leaves this file, unknown
 keywords) stays in the key as written, so a schema this module does not understand only costs
-sharing, never correctness. The counting rules are those of
-llguidance (maxLength counts code points, an escape is one): keys are only made for grammars it
-compiled (GrammarState), and tests check the masks of equal keys against fresh matchers.
+sharing, never correctness. The counting rules are those of llguidance (maxLength counts code
+points, an escape is one): keys are only made for grammars it compiled (GrammarState), and tests
+check the masks of equal keys against fresh matchers.
 
 SchemaKeys(schema) is built once per constraint; start() gives one answer's KeyTrack, whose feed()
 takes each accepted token's bytes and whose key() is hashable (None once the text left the JSON
@@ -91,8 +91,13 @@ class SchemaKeys:
                 return None
         return self.resolve(target, depth + 1)
 
+    @staticmethod
+    def follows(node: dict | None) -> bool:
+        """Whether this module follows a container at `node`: its schema has only CONTAINER keywords."""
+        return node is not None and not node.keys() - CONTAINER
+
     def child_of_object(self, node: dict | None, key: bytes) -> dict | None:
-        if node is None or node.keys() - CONTAINER:
+        if not self.follows(node):
             return None
         try:
             name = json.loads(b'"' + key + b'"')
@@ -105,7 +110,7 @@ class SchemaKeys:
         return self.resolve(extra) if extra is not False else None
 
     def child_of_array(self, node: dict | None, index: int) -> dict | None:
-        if node is None or node.keys() - CONTAINER:
+        if not self.follows(node):
             return None
         prefix = node.get("prefixItems")
         if isinstance(prefix, list) and index < len(prefix):
@@ -229,10 +234,7 @@ class KeyTrack:
         """Whether a complete scalar value here may be elided: it is a property or item of a
         container whose schema this module follows (module docstring). A frame's node is None when
         an enclosing container is not followed, so the innermost frame decides."""
-        if not self._frames:
-            return False
-        node = self._frames[-1].node
-        return node is not None and not node.keys() - CONTAINER
+        return bool(self._frames) and self._s.follows(self._frames[-1].node)
 
     def _expect(self) -> int:
         return self._frames[-1].expect if self._frames else (DONE if self._root_done else VALUE)

@@ -34,19 +34,23 @@ def make_engine(path, overlap: bool, on_step=None, **kw) -> Engine:
 
 
 def watch(engine: Engine) -> dict[str, int]:
-    """Count prepared batches that gathered input ids from the in-flight step, placeholder ids that
-    reached the packed input (there must be none), and the most sequences one step held."""
+    """Count prepared batches that gather input ids from the in-flight step, placeholder ids that
+    reached a launched step's input (there must be none), and the most sequences one step held."""
     counts = {"gathered": 0, "placeholders": 0, "max_rows": 0}
-    prepare = engine.runner.prepare
+    prepare, gather = engine.runner.prepare, engine.runner.gather_pending
 
-    def wrapped(seqs, num_tokens, samples, pending=None):
-        batch = prepare(seqs, num_tokens, samples, pending)
+    def wrapped(seqs, num_tokens, samples, pending=None, **kw):
+        batch = prepare(seqs, num_tokens, samples, pending, **kw)
         counts["max_rows"] = max(counts["max_rows"], len(seqs))
         counts["gathered"] += batch.gather_dst is not None
-        counts["placeholders"] += int((batch.input_ids == PENDING_TOKEN).sum())
         return batch
 
+    def gathered(batch, pending):
+        gather(batch, pending)
+        counts["placeholders"] += int((batch.input_ids == PENDING_TOKEN).sum())
+
     engine.runner.prepare = wrapped
+    engine.runner.gather_pending = gathered
     return counts
 
 

@@ -384,7 +384,7 @@ def test_every_backend_implements_the_whole_interface(compilers):
         b = comp.backend(name)
         assert b.name == name and isinstance(b.fills_in_background, bool)
         assert b.library is None or isinstance(b.library, str)
-        for method in ("supports", "compile", "deserialize", "fill_rows", "finish_rows", "accept_tokens"):
+        for method in ("supports", "compile", "deserialize", "fill_call", "finish_rows", "accept_tokens"):
             assert callable(getattr(b, method)), (name, method)
         assert b.supports(c) is None
         m = b.compile(c).new_matcher()
@@ -412,9 +412,9 @@ class _CountingBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def fill_rows(self, matchers, bitmask, indices):
+    def fill_call(self, matchers, bitmask, indices):
         self.calls.append(("fill", len(matchers)))
-        self.inner.fill_rows(matchers, bitmask, indices)
+        return self.inner.fill_call(matchers, bitmask, indices)
 
     def accept_tokens(self, matchers, tokens):
         self.calls.append(("accept", len(matchers)))

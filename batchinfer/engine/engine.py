@@ -14,30 +14,37 @@ model_runner.py (packing, forward, sampling), grammar.py (compiled grammars, acc
 finish.py (stop checks, final text, the Result).
 
 Overlap (`EngineConfig.overlap`, on by default): a one-step lookahead, so that the host builds step
-N+1 while the device runs step N. One loop iteration (`_step`):
+N+1 while the device runs step N. One loop iteration (`_step`) samples one step, N+1, whose forward
+is normally already queued (launched at the end of the iteration before):
 
-  1. schedule N+1 with N still in flight: every sequence N samples for already ends with a
-     placeholder token (sequence.py), so it is planned as if its token were known; a sequence whose
-     pending token is surely its last (max_tokens / max_model_len) is not scheduled;
-  2. pack N+1 and launch its forward; the input id of each decoding row is gathered ON THE DEVICE
-     from N's sampled-token tensor (model_runner.prepare), so nothing waits for N here;
-  3. read N's tokens (waits on a CUDA event recorded after their copy to pinned host memory: the only
+  1. (first iteration, or no step was planned) schedule and pack N+1 now and launch its forward;
+     the input id of each decoding row is gathered ON THE DEVICE from N's sampled-token tensor
+     (model_runner.gather_pending), so nothing waits for N here;
+  2. read N's tokens (waits on a CUDA event recorded after their copy to pinned host memory: the only
      host sync per step); feed them to the grammars (one batched accept per library) and start
      N+1's grammar masks (engine/grammar.py; on a helper thread where the library's fill holds no GIL); then
-     post-process: swap placeholders for tokens, stop checks, finish sequences (blocks freed now).
-     Exception: when N has grammar rows and N+1 is an eager (not CUDA-graph) forward, whose launch
-     alone takes tens of ms of host time, N's tokens are read, accepted and N+1's masks started
-     BEFORE step 2's launch, so the fill runs during it (`_grammar_first`);
-  4. complete N+1's bookkeeping, build its bans, wait for its grammar masks (the matchers had
-     accepted N's tokens, so masks are exact; they are built while N+1's forward runs), launch its
-     sampling and the copy of its tokens; N+1 is now the step in flight.
+     post-process: swap placeholders for tokens, stop checks, finish sequences (blocks freed now);
+  3. complete N+1's bookkeeping, build its bans, give every sequence N+1 samples for a placeholder
+     token (sequence.py), so that it is planned as if its token were known (a sequence whose
+     pending token is surely its last, by max_tokens / max_model_len, is not scheduled);
+  4. plan N+2: schedule and pack it, while N+1's masks fill on the grammar threads;
+  5. wait for N+1's grammar masks (the matchers had accepted N's tokens, so masks are exact), launch
+     its sampling and the copy of its tokens: N+1 is now the step in flight; then launch N+2's
+     forward right behind it, its decoding rows' input ids gathered from N+1's sampled tokens on
+     the device. With a grammar, the device thus runs N+2's forward while the host accepts N+1's
+     tokens and fills N+2's masks, instead of waiting for the host to plan N+2 first.
+     Exception: when N+1 has grammar rows and N+2 is an eager (not CUDA-graph) forward, whose launch
+     alone takes tens of ms of host time, N+2's launch waits for the next iteration, where N+1's
+     tokens are read, accepted and N+2's masks started BEFORE the launch, so the fill runs during
+     it (`_grammar_first`).
 
 Invariants: (a) at most one step is in flight, and a sequence holds at most one placeholder;
 (b) every host decision that depends on a token VALUE (finishing, grammar masks, min_tokens bans,
 block hashes for prefix sharing) is taken after that token was read: scheduling only uses token
-COUNTS; (c) a sequence that finished in step N (EOS, stop string, grammar) may still hold a row of
-N+1 whose forward was launched before N was read: that row is wasted work, its token is never read,
-and complete_step skips it. Its blocks are freed when N is read, after N+1's forward was queued: all
+COUNTS, and a step is scheduled with at most the step before it unread (N+2 is planned after N was
+read, before N+1 is even sampled); (c) a sequence that finished in step N (EOS, stop string,
+grammar) may still hold a row of N+1 whose forward was launched before N was read: that row is
+wasted work, its token is never read, and complete_step skips it. Its blocks are freed when N is read, after N+1's forward was queued: all
 device work runs in order on one stream, so N+1's write into a freed block lands before any later
 step (the earliest that can reuse the block) writes or reads it, and a freed block is never shared
 (its prefix hash is dropped). A sequence preempted while N is in flight is likewise safe: N's KV
@@ -101,6 +108,20 @@ class _InFlight:
     marks: tuple[Any, Any, Any, Any]
 
 
+@dataclass
+class _Planned:
+    """A scheduled and packed step, its forward maybe not launched yet.
+
+    pending: the sampled tokens its decoding rows read their input ids from, once known; forward:
+    (logits, end of the step before, start, end of forward) timing marks, once launched."""
+
+    step: ScheduledStep
+    sampling: list[Sequence]
+    batch: Any
+    pending: Any = None
+    forward: tuple[Any, Any, Any, Any] | None = None
+
+
 class Engine:
     """Offline generation over a stream of requests with continuous batching."""
 
@@ -152,6 +173,7 @@ class Engine:
             mask_cache_bytes=config.grammar_mask_cache_mb << 20,
         )
         self._inflight: _InFlight | None = None
+        self._planned: _Planned | None = None  # the next step, scheduled and packed while this one's masks fill
         self._last_end: Any = None  # timing event ending the last launched step (CUDA only)
         self._wait_s = 0.0  # host time blocked on the device in the current iteration
         self._idle_ms: float | None = None  # device idle gaps of the step read in this iteration
@@ -188,6 +210,7 @@ class Engine:
             raise RuntimeError("Engine.close() while generate() is running; finish or close that iterator first")
         self._closed = True
         self._inflight = None
+        self._planned = None
         self._last_end = None
         self.grammar.close()
         self.runner.close()
@@ -285,37 +308,30 @@ class Engine:
         t, rows, before = time.perf_counter(), len(self.scheduler.running), self._appended
         drafts = spec.gate.choose(rows)
         if drafts:
-            results = self._read_inflight(None)[0] if self._inflight is not None else []  # verify steps run serially
+            results = self._plain_step(plan_ahead=False) if self._planned is not None else []  # sample the planned step
+            results += self._read_inflight(None)[0] if self._inflight is not None else []  # verify steps run serially
             results += spec.step(self)
         else:
             results = self._plain_step()
         spec.gate.record(rows, drafts, self._appended - before, time.perf_counter() - t)
         return results
 
-    def _plain_step(self) -> list[Result]:
-        """One loop iteration without drafts: schedule and launch step N+1, read and post-process
-        step N (see the module docstring)."""
+    def _plain_step(self, plan_ahead: bool = True) -> list[Result]:
+        """One loop iteration without drafts: sample step N+1 (launching its forward first if that
+        has not happened yet), read and post-process step N, and plan step N+2 while N+1's masks
+        fill (see the module docstring; plan_ahead=False: no N+2)."""
         t0 = time.perf_counter()
         self._wait_s, self._idle_ms = 0.0, None
         self._phases, self._phase_t = {}, t0
-        step = self.scheduler.schedule()
-        self._phase("schedule")
-        for seq in step.seqs:
-            if seq.scheduled is None:
-                seq.scheduled = t0
-        logits = marks = None
-        sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
+        plan, self._planned = self._planned, None
+        if plan is None:
+            plan = self._plan(t0)
+        step, sampling = plan.step, plan.sampling
         read: _Read | None = None
-        if step.seqs:
-            start = self.runner.mark()
-            pending = self._inflight.tokens.tensor if self._inflight is not None else None
-            batch = self.runner.prepare(step.seqs, step.num_tokens, step.samples, pending)
-            self._phase("prepare")
-            if self._grammar_first(batch):
+        if step.seqs and plan.forward is None:
+            if self._grammar_first(plan.batch):
                 read = self._read_and_accept(sampling)
-            logits = self._device_call(self.runner.forward, batch)
-            marks = (self._last_end, start, self.runner.mark())
-            self._phase("launch")
+            self._launch(plan, plan.pending)
         if read is None and self._inflight is not None:
             read = self._read_and_accept(sampling if step.seqs else None)
         results, fill = self._finish_read(read) if read is not None else ([], None)
@@ -323,27 +339,64 @@ class Engine:
             self.scheduler.complete_step(step)
             live = [s.status is SequenceStatus.RUNNING for s in sampling]
             bans = [self._bans(s) if ok else [] for s, ok in zip(sampling, live)]
-            self._phase("post")
-            bitmask = self.grammar.bitmask(sampling, live, fill)
-            self._phase("grammar_mask")
-            sample_start = self.runner.mark()
-            if sampling:
-                tokens = self._device_call(self.runner.sample_tokens, logits, sampling, bans, bitmask)
-            else:
-                tokens = torch.empty(0, dtype=torch.int64, device=self.runner.device)
-            logprobs = self.runner.token_logprobs(logits, sampling, tokens) if sampling else None
-            self._phase("sample_launch")
-            self._inflight = _InFlight(step, sampling, SampledTokens(tokens, logprobs), (*marks, sample_start))
-            self._last_end = self._inflight.tokens.event
+            counters = [s.num_generated for s in sampling]  # the sampler's per-row counters, before the placeholders
             for row, (seq, ok) in enumerate(zip(sampling, live)):
                 if ok:
                     seq.token_ids.append(PENDING_TOKEN)
                     seq.pending_row = row
                     seq.final_pending = seq.num_generated >= seq.max_tokens or seq.num_tokens >= self.max_model_len
+            self._phase("post")
+            if self.config.overlap and plan_ahead:
+                # plan N+2 now, while N+1's masks fill on the grammar threads: it is launched right
+                # behind N+1's sampling below, so the device does not wait for the host's planning
+                nxt = self._plan(time.perf_counter(), defer_gather=True)
+                self._planned = nxt if nxt.step.seqs else None
+            bitmask = self.grammar.bitmask(sampling, live, fill)
+            self._phase("grammar_mask")
+            sample_start = self.runner.mark()
+            logits = plan.forward[0]
+            if sampling:
+                tokens = self._device_call(self.runner.sample_tokens, logits, sampling, bans, bitmask, counters)
+            else:
+                tokens = torch.empty(0, dtype=torch.int64, device=self.runner.device)
+            logprobs = self.runner.token_logprobs(logits, sampling, tokens) if sampling else None
+            self._phase("sample_launch")
+            self._inflight = _InFlight(step, sampling, SampledTokens(tokens, logprobs), (*plan.forward[1:], sample_start))
+            self._last_end = self._inflight.tokens.event
+            nxt = self._planned
+            if nxt is not None and not self._grammar_first(nxt.batch):
+                self._launch(nxt, tokens)
+            elif nxt is not None:
+                nxt.pending = tokens  # launched after this step's tokens are read (_grammar_first)
             if not self.config.overlap:
                 results += self._read_inflight(None)[0]
         self._report(step, t0, len(results))
         return results
+
+    def _plan(self, now: float, defer_gather: bool = False) -> _Planned:
+        """Schedule the next step and pack its inputs. defer_gather: the step whose sampled tokens
+        its decoding rows read is not launched yet (they are gathered at _launch)."""
+        step = self.scheduler.schedule()
+        self._phase("schedule")
+        for seq in step.seqs:
+            if seq.scheduled is None:
+                seq.scheduled = now
+        sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
+        batch = None
+        pending = self._inflight.tokens.tensor if self._inflight is not None else None
+        if step.seqs:
+            batch = self.runner.prepare(step.seqs, step.num_tokens, step.samples, defer_gather=True)
+            self._phase("prepare")
+        return _Planned(step, sampling, batch, None if defer_gather else pending)
+
+    def _launch(self, plan: _Planned, pending: torch.Tensor | None) -> None:
+        """Queue the planned step's forward: its waiting input ids from `pending` (the sampled
+        tokens of the step before it), then the model. Its logits and timing marks go on the plan."""
+        start = self.runner.mark()
+        self.runner.gather_pending(plan.batch, pending)
+        logits = self._device_call(self.runner.forward, plan.batch)
+        plan.forward = (logits, self._last_end, start, self.runner.mark())
+        self._phase("launch")
 
     def _phase(self, name: str) -> None:
         """Charge the host time since the last mark to phase `name` of this iteration (StepStats.phases_ms)."""
@@ -479,6 +532,7 @@ class Engine:
         A step still in flight is abandoned: its tokens are never read; later device work queues
         behind it on the stream, so freeing its blocks now is safe.
         """
+        self._planned = None  # (its forward may be queued: later device work queues behind it)
         if self._inflight is not None:
             for seq in self._inflight.sampling:
                 if seq.pending_row is not None:

@@ -241,9 +241,9 @@ class GrammarState:
         return plan
 
     def _gather(self, plan: RowPlan, mask: torch.Tensor) -> Callable[[], None] | None:
-        """The copy of the plan's cached rows into `mask` (run by the fill, on its helper thread: a
-        numpy copy holds no GIL), or None when there is none. The cache is not touched again
-        until the fill is waited for (slots looked up now stay valid until then)."""
+        """The copy of the plan's cached rows into `mask` (start_fill runs it while the library
+        fills the computed rows), or None when there is none. The cache is not touched again until
+        the fill is waited for (slots looked up now stay valid until then)."""
         if not plan.hits[0]:
             return None
         return lambda: self._cache.gather(plan.hits[1], mask, plan.hits[0])

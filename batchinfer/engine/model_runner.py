@@ -339,12 +339,15 @@ class ModelRunner:
         samples: Seq[bool],
         pending: torch.Tensor | None = None,
         sample_widths: Seq[int] | None = None,
+        defer_gather: bool = False,
     ) -> StepBatch:
         """Pack the scheduled chunks: seqs[i] computes num_tokens[i] tokens from its num_computed.
 
         pending: the sampled tokens (on the device) of the step still in flight. A sequence with a
         `pending_row` ends with a placeholder token; when its chunk reaches that last token, the
         input id is gathered on the device from pending[pending_row] (no host sync).
+        defer_gather: pack now, gather later (gather_pending), because the step that samples those
+        tokens is not launched yet (the engine packs step N+1 while step N's masks fill).
         sample_widths: logits rows per sampling chunk, in order (speculative verify: its last
         1 + drafts tokens); default one, the chunk's last token.
         """
@@ -357,14 +360,21 @@ class ModelRunner:
             if s.pending_row is not None and c + n == s.num_tokens
         ]
         if rows:
-            if pending is None:
-                raise RuntimeError("sequences wait on an in-flight token but no pending token tensor was given")
             gather = (np.array([i for i, _ in rows], dtype=np.int64), np.array([r for _, r in rows], dtype=np.int64))
         batch = self._pack(starts, list(num_tokens), ids, [s.block_ids for s in seqs], samples, gather, sample_widths)
-        if gather is not None:
-            with torch.no_grad():
-                batch.input_ids.index_copy_(0, batch.gather_dst, pending.index_select(0, batch.gather_src))
+        if not defer_gather:
+            self.gather_pending(batch, pending)
         return batch
+
+    def gather_pending(self, batch: StepBatch, pending: torch.Tensor | None) -> None:
+        """Write the input ids that wait on the in-flight step (prepare's gather) from its sampled
+        tokens `pending`, on the device; nothing to do when no row waits."""
+        if batch.gather_dst is None:
+            return
+        if pending is None:
+            raise RuntimeError("sequences wait on an in-flight token but no pending token tensor was given")
+        with torch.no_grad():
+            batch.input_ids.index_copy_(0, batch.gather_dst, pending.index_select(0, batch.gather_src))
 
     def _pack(self, starts, lens, ids, tables, samples, gather=None, sample_widths=None) -> StepBatch:
         """Flat inputs + AttentionMetadata from per-sequence starts, chunk lengths, token ids, blocks.

@@ -7,6 +7,7 @@ bit j of word i set means token i*32 + j is allowed. A row of all ones (-1) allo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -68,7 +69,7 @@ class Constraint:
 class GrammarMatcher(Protocol):
     """Per-sequence state of a compiled grammar."""
 
-    backend: str  # name of the GrammarBackend whose batch calls (fill_rows, accept_tokens) take it
+    backend: str  # name of the GrammarBackend whose batch calls (fill_call, accept_tokens) take it
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         """Write the allowed next tokens into row `index` of an int32 CPU bitmask."""
@@ -116,8 +117,8 @@ class GrammarBackend(Protocol):
     # distribution whose version keys the disk cache of compiled forms; None: nothing is cached on
     # disk (compiling is cheaper than reading a cache entry back)
     library: str | None
-    # fill_rows runs with the GIL released for the whole call, so it may run on a helper thread
-    # while the caller keeps working (structured/compiler.py PendingFill)
+    # the call fill_call returns runs with the GIL released for the whole call, so it may run on a
+    # helper thread while the caller keeps working (structured/compiler.py PendingFill)
     fills_in_background: bool
 
     def supports(self, constraint: Constraint, fallback: bool = False) -> str | None:
@@ -131,13 +132,15 @@ class GrammarBackend(Protocol):
     def deserialize(self, data: bytes, constraint: Constraint) -> CompiledGrammar:
         """A compiled grammar back from CompiledGrammar.serialize() (only where library is set)."""
 
-    def fill_rows(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        """Fill rows indices[k] of a CPU int32 bitmask for matchers[k], all at once (the library's
-        own threads where it has them); finish_rows completes the rows."""
+    def fill_call(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> Callable[[], None]:
+        """The fill of rows indices[k] of a CPU int32 bitmask for matchers[k], all at once (the
+        library's own threads where it has them), its arguments prepared now, on the caller's thread:
+        calling it runs only the library (a helper thread that runs it then needs the GIL for no
+        more than the call). finish_rows completes the rows."""
 
     def finish_rows(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        """After fill_rows (on the caller's thread): any per-row correction the library's fill does
-        not make itself. fill_rows then finish_rows equals fill_next_token_bitmask per row."""
+        """After the fill (on the caller's thread): any per-row correction the library's fill does
+        not make itself. fill_call()() then finish_rows equals fill_next_token_bitmask per row."""
 
     def accept_tokens(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
         """accept_token(tokens[k]) for each matchers[k], in one call where the library batches; the

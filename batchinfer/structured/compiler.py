@@ -199,19 +199,27 @@ class GrammarCompiler:
         start at once on a helper thread, so the caller can keep working (the engine post-processes
         the other rows of a step meanwhile); everything else runs in wait(). Until wait() returns,
         the matchers must not be advanced and the bitmask not read. before: work on other rows of
-        the bitmask that runs first, on the same thread as the early fills (GIL-free work, such as a
-        numpy copy of cached rows) or in wait().
+        the bitmask (such as a numpy copy of cached rows), run here on the caller's thread, after
+        the early fills have started.
         """
         batches = [
             (backend, [matchers[k] for k in ks], [int(indices[k]) for k in ks])
             for backend, ks in self._by_backend(matchers)
         ]
         early = [x for x in batches if background and x[0].fills_in_background]
-        if not early and not (background and before is not None):
+        if not early:
             if before is not None:
                 before()
             return PendingFill(bitmask, batches, None, set())
-        future = self._fill_thread().submit(_fill_all, early, bitmask, before)
+        calls = [backend.fill_call(ms, bitmask, idx) for backend, ms, idx in early]
+        entered = threading.Event()
+        future = self._fill_thread().submit(_run_fills, calls, entered)
+        # Hand the GIL to the helper until it is inside the library: a helper that needs the GIL
+        # while this thread runs Python waits for the interpreter's switch interval (5 ms) each time
+        # (the engine plans the next step meanwhile), so it needs it only to start.
+        entered.wait()
+        if before is not None:
+            before()  # on this thread, while the library fills
         return PendingFill(bitmask, batches, future, {id(b) for b, _, _ in early})
 
     def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
@@ -242,14 +250,18 @@ class GrammarCompiler:
             pool.shutdown(wait=True)
 
 
-def _fill_all(batches: list[tuple[Any, list[Any], list[int]]], bitmask: torch.Tensor, before: Any = None) -> float:
-    """Run `before`, then each backend's library fill (on the helper thread: these release the GIL);
-    the seconds it took."""
+def _fill_all(batches: list[tuple[Any, list[Any], list[int]]], bitmask: torch.Tensor) -> float:
+    """Each backend's library fill, on this thread; the seconds it took."""
+    return _run_fills([backend.fill_call(ms, bitmask, idx) for backend, ms, idx in batches])
+
+
+def _run_fills(calls: list[Callable[[], None]], entered: threading.Event | None = None) -> float:
+    """Run prepared library fills (GrammarBackend.fill_call), after setting `entered`; the seconds they took."""
+    if entered is not None:
+        entered.set()
     t = time.perf_counter()
-    if before is not None:
-        before()
-    for backend, ms, idx in batches:
-        backend.fill_rows(ms, bitmask, idx)
+    for call in calls:
+        call()
     return time.perf_counter() - t
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,10 +244,14 @@ class OutlinesBackend:
     def deserialize(self, data: bytes, constraint: Constraint) -> OutlinesCompiled:
         return OutlinesCompiled(pickle.loads(data), self.vocab)
 
-    def fill_rows(self, matchers: list[OutlinesMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+    def fill_call(self, matchers: list[OutlinesMatcher], bitmask: torch.Tensor, indices: list[int]) -> Callable[[], None]:
         """Row by row: each row is a copy of the state's cached mask row."""
-        for m, i in zip(matchers, indices):
-            m.fill_next_token_bitmask(bitmask, i)
+
+        def fill() -> None:
+            for m, i in zip(matchers, indices):
+                m.fill_next_token_bitmask(bitmask, i)
+
+        return fill
 
     def finish_rows(self, matchers: list[OutlinesMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
         """Nothing to correct: a cached row already holds the EOS bits."""

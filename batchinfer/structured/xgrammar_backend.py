@@ -7,6 +7,8 @@ compiler's disk cache stores.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -151,16 +153,16 @@ class XGrammarBackend:
         compiled = xgr.CompiledGrammar.deserialize_json(data.decode(), self._info)
         return XGrammarCompiled(compiled, self.vocab.eos_ids, self._safe_row(constraint))
 
-    def fill_rows(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        """Fill rows indices[k] for matchers[k] with xgrammar's threaded batch matcher (no safe rows yet)."""
+    def fill_call(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> Callable[[], None]:
+        """The fill of rows indices[k] for matchers[k] with xgrammar's threaded batch matcher (no safe rows yet)."""
         import xgrammar as xgr
 
         if not hasattr(self, "_batch"):
             self._batch = xgr.BatchGrammarMatcher(self._fill_threads or "auto")
-        self._batch.batch_fill_next_token_bitmask([m.raw for m in matchers], bitmask, list(indices))
+        return partial(self._batch.batch_fill_next_token_bitmask, [m.raw for m in matchers], bitmask, list(indices))
 
     def finish_rows(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        """After fill_rows: AND each row with its matcher's JSON-safe row, one op per distinct safe row."""
+        """After the fill: AND each row with its matcher's JSON-safe row, one op per distinct safe row."""
         groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
         for m, i in zip(matchers, indices):
             if m.safe_row is not None:

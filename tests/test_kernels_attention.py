@@ -24,8 +24,9 @@ K = {"cache": cache, "decode_attention": decode_attention, "extend_attention": e
 
 
 DTYPES = [torch.float32, torch.float16]
-# (num_heads, num_kv_heads, head_dim, block_size): GQA 4:2 and 8:1, MHA, a head_dim that is no power of two
-SHAPES = [(4, 2, 16, 4), (8, 1, 32, 16), (2, 2, 24, 8)]
+# (num_heads, num_kv_heads, head_dim, block_size): GQA 4:2 and 8:1, MHA, a head_dim that is no power of
+# two, a GQA group that is none (6: the extend kernel's tiles are 10 tokens of 64 rows, 2 of 16)
+SHAPES = [(4, 2, 16, 4), (8, 1, 32, 16), (2, 2, 24, 8), (12, 2, 16, 4)]
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

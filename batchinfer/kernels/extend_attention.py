@@ -8,8 +8,10 @@ step, is read from the cache through the block table.
 Grid (tiles, kv_heads), with a tile map: tile i is query tile tiles[1, i] of sequence tiles[0, i]
 (-1: no work, so a CUDA graph can launch a fixed grid sized for its largest step). The map lists only
 the sequences the caller wants (a mixed step's prefill chunks, not its decode rows) and no empty tiles.
-A program owns BLOCK_M query tokens times all GROUP query heads of one KV head, flattened into BLOCK_M * BLOCK_G rows of one tl.dot, so each KV tile is
-loaded once per GQA group. Keys before the tile's first query position need no causal mask and
+A program owns BLOCK_M query tokens times all GROUP query heads of one KV head, flattened into the
+BLOCK_M * GROUP leading rows of a ROWS-row tl.dot (ROWS a power of two; the group itself is not padded,
+so a group of 6 fills 60 of 64 rows with 10 tokens, not 48 with 8), so each KV tile is loaded once
+per GQA group. Keys before the tile's first query position need no causal mask and
 are visited in a mask-free loop; only the last stretch applies the causal/length mask.
 Online softmax in base 2, float32 accumulators.
 """
@@ -73,7 +75,7 @@ def _extend_kernel(
     s_bt, s_tiles,
     sm_scale_log2, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -92,10 +94,10 @@ def _extend_kernel(
     ctx_len = seq_len - query_len  # tokens before the first query token
 
     # rows = (query token, head in group), head fastest
-    rows = tl.arange(0, BLOCK_M * BLOCK_G)
-    m_idx = m_start + rows // BLOCK_G
-    g_idx = rows % BLOCK_G
-    row_ok = (m_idx < query_len) & (g_idx < GROUP)
+    rows = tl.arange(0, ROWS)
+    m_idx = m_start + rows // GROUP
+    g_idx = rows % GROUP
+    row_ok = (rows < BLOCK_M * GROUP) & (m_idx < query_len)
     heads = kv_head * GROUP + g_idx
     q_pos = ctx_len + m_idx
     offs_d = tl.arange(0, BLOCK_D)
@@ -107,9 +109,9 @@ def _extend_kernel(
         q_ptr + t_idx[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :],
         mask=row_ok[:, None] & mask_d[None, :], other=0.0,
     )
-    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * s_bt
 
     # keys every row of the tile sees, in whole tiles: no mask
@@ -141,12 +143,14 @@ def _extend_kernel(
 
 
 def extend_block_m(group: int, block_rows: int = 64) -> int:
-    """Query tokens per extend tile for a GQA group size (rows = tokens x the group's heads)."""
-    block_g = pow2(group)
-    block_m = max(pow2(block_rows) // block_g, 1)
-    if block_m * block_g < 16:
-        block_m = 16 // block_g
-    return block_m
+    """Query tokens per extend tile for a GQA group size: as many as fit block_rows rows (tokens x
+    the group's heads; block_rows rounded up to a power of two, at least 16), at least one."""
+    return max(max(pow2(block_rows), 16) // group, 1)
+
+
+def extend_rows(group: int, block_m: int) -> int:
+    """The kernel's tl.dot rows for block_m tokens of a GQA group: a power of two, at least 16."""
+    return pow2(block_m * group, 16)
 
 
 def extend_tile_map(query_lens, first_seq: int, block_m: int, size: int | None = None) -> np.ndarray:
@@ -206,7 +210,6 @@ def paged_extend_attention(
     if out is None:
         out = torch.empty_like(q)
     block_m = extend_block_m(group, block_rows)
-    block_g = pow2(group)
     if tiles is None:
         if num_tokens == 0 or max_query_len == 0 or seq_lens.shape[0] <= first_seq:
             return out
@@ -224,7 +227,7 @@ def paged_extend_attention(
         block_tables.stride(0), tiles.stride(0),
         scale * LOG2E * k_scale, v_scale,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=pow2(head_dim, 16),
+        BLOCK_M=block_m, ROWS=extend_rows(group, block_m), BLOCK_N=block_n, BLOCK_D=pow2(head_dim, 16),
         DOT_PREC=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -153,10 +153,33 @@ def test_stops_min_tokens_and_chunked_prefill(tiny_model):
         reqs.append(Request(f"min{i}", r.prompt_token_ids, replace(r.sampling, stop_token_ids=(out[1],), min_tokens=7)))
         if len(text) > 8:
             reqs.append(Request(f"str{i}", r.prompt_token_ids, replace(r.sampling, stop=(text[4:7],))))
-    plain, spec, steps = plain_and_oracle(tiny_model, reqs, 0.2, max_num_batched_tokens=24, max_num_seqs=5)
+    plain, spec, steps = plain_and_oracle(tiny_model, reqs, 0.2, max_num_batched_tokens=48, max_num_seqs=5)
     assert_same(plain, spec)
     assert sum(s.spec_accepted for s in steps) > 0
     assert any(s.num_prefill_tokens and s.spec_verified for s in steps), "no step mixed prefill with drafts"
+
+
+def test_no_verify_step_while_prefill_fills_the_budget(tiny_model):
+    """While waiting prompts fill a step's token budget there is no room for drafts: those steps run
+    the plain (overlapped) loop, not a verify step without drafts; the tokens stay the same."""
+    rng = random.Random(4)
+    reqs = [Request(f"r{i}", rand_prompt(rng, 30), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            for i in range(8)]
+    plain = run(make_engine(tiny_model, max_num_batched_tokens=32, max_num_seqs=4), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4}, drafter=oracle(truth, 0.0, 500),
+                         max_num_batched_tokens=32, max_num_seqs=4)
+    spec, budgets = engine.speculator, []
+    verify = spec.step
+
+    def step(eng):
+        budgets.append((spec._draft_budget(eng), len(eng.scheduler.waiting)))
+        return verify(eng)
+
+    spec.step = step
+    assert_same(plain, run(engine, reqs))
+    assert budgets and all(b > 0 for b, _ in budgets), budgets
+    assert any(w == 0 for _, w in budgets)  # verify steps ran once the prompts were in
 
 
 @pytest.mark.parametrize(

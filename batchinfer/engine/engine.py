@@ -301,19 +301,25 @@ class Engine:
         with drafts (engine/speculative.py) where the gate (engine/spec_gate.py) measures that it
         pays, else a plain one."""
         spec = self.speculator
+        # a step whose token budget prefill fills has no room for drafts: with them it would only be
+        # a plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md)
         if spec is None:
             return self._plain_step()
-        if spec.gate is None:
-            return spec.step(self)
+        gate = spec.gate
+        if not spec.has_room(self):
+            if gate is not None:
+                gate.passed()
+            return self._plain_step()
         t, rows, before = time.perf_counter(), len(self.scheduler.running), self._appended
-        drafts = spec.gate.choose(rows)
+        drafts = gate is None or gate.choose(rows)
         if drafts:
             results = self._plain_step(plan_ahead=False) if self._planned is not None else []  # sample the planned step
             results += self._read_inflight(None)[0] if self._inflight is not None else []  # verify steps run serially
             results += spec.step(self)
         else:
             results = self._plain_step()
-        spec.gate.record(rows, drafts, self._appended - before, time.perf_counter() - t)
+        if gate is not None:
+            gate.record(rows, drafts, self._appended - before, time.perf_counter() - t)
         return results
 
     def _plain_step(self, plan_ahead: bool = True) -> list[Result]:

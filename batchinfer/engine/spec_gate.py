@@ -101,6 +101,11 @@ class SpecGate:
         b.tokens[mode] = d * b.tokens[mode] + tokens
         b.seconds[mode] = d * b.seconds[mode] + seconds
 
+    def passed(self) -> None:
+        """A plain step ran that the gate was not asked about (no room for drafts: engine.py): not
+        measured, but a step with drafts after it follows a switch."""
+        self._last = "plain"
+
     def rates(self) -> dict[int, dict[str, float | None]]:
         """Measured tokens per second by bucket (its smallest row count) and mode."""
         return {1 << k: {m: b.rate(m) for m in MODES} for k, b in sorted(self._buckets.items())}

@@ -215,6 +215,11 @@ class Speculator:
 
     # --- drafting ---------------------------------------------------------------------------
 
+    def has_room(self, engine: Any) -> bool:
+        """Whether the next step could verify any draft. Not while the step's token budget is full of
+        prefill (waiting prompts): then a step with drafts is a plain step run serially (engine.py)."""
+        return self._draft_budget(engine) > 0
+
     def _draft_budget(self, engine: Any) -> int:
         """Draft tokens this step may verify: max_step_tokens minus what the step computes anyway."""
         sched = engine.scheduler

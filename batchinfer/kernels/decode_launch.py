@@ -36,16 +36,13 @@ TILE_ELEMENTS = 8192  # block_n x head_dim of one K (or V) tile
 
 # KV element bytes -> (tile elements, num_warps, num_stages) of the "sequence" split's kernel.
 # 2 bytes (bf16/fp16; a 4-byte float32 cache takes these too): measured, the rule above.
-# 1 byte (FP8 e4m3): >>> MEASUREMENT NEEDED <<< the 2-byte values until measured. A 1-byte tile of the
-#   same elements moves half the bytes per iteration, and nano256 with an FP8 cache ran at 0.94x bf16
-#   on the H200, so wider tiles or deeper pipelines may pay. To set it: on the H200 run
-#   `python3 scripts/decode_shape_sweep.py --kv fp8` (qwen3-0.6b and llama-3.1-8b, batch 256/64/8,
-#   under 2 minutes); its last line prints the entry to write here (the (block_n x head_dim,
-#   warps, stages) with the best geometric-mean time over those shapes and batches, each at the
-#   rule's split count).
+# 1 byte (FP8 e4m3): twice the elements per tile (the same bytes per iteration as a 2-byte tile).
+#   `python3 scripts/decode_shape_sweep.py --kv fp8` on the H200 (qwen3-0.6b and llama-3.1-8b, batch
+#   256/64/8, each at the rule's split count): (16384, 4, 2) 1.117x the time of (8192, 4, 2) in
+#   geometric mean; block_n 128 won every shape and batch (BENCHMARKS.md, seventh session).
 KV_TILES: dict[int, tuple[int, int, int]] = {
     2: (TILE_ELEMENTS, 4, 2),
-    1: (TILE_ELEMENTS, 4, 2),  # MEASUREMENT NEEDED: scripts/decode_shape_sweep.py --kv fp8
+    1: (2 * TILE_ELEMENTS, 4, 2),
 }
 
 

@@ -6,12 +6,21 @@ model's argmax at every answer position against the float32 token there. A varia
 decoder projection's weight by its FP8 rounding (dequantised) and/or fake-quantises its input per
 token (e4m3, scale amax/448), which is the math of the engine's dequantised FP8 path.
 
-    python3 scripts/fp8_accuracy.py [--variants act,rtn,rtn-w,gptq,gptq-w] [--held-out] [--calibration-rows 44]
+    python3 scripts/fp8_accuracy.py [--variants act,rtn,rtn-w,gptq,gptq-w,kv,kv-auto] [--held-out]
+        [--calibration-rows 44] [--extraction none,kv,kv-auto,fp8]
 
 act: float32 weights, FP8 activations; rtn / rtn-w: weights rounded to nearest with / without FP8
 activations; gptq / gptq-w: weights rounded by batchinfer/convert/fp8_gptq.py (calibrated on
 examples/data/docs.jsonl with questions; --held-out also calibrates on invoices 0-11 and evaluates
 only invoices 12-23). --only PROJ[,PROJ] limits the FP8 activations of `act` to those projections.
+kv / kv-auto: float32 weights and activations, the KV cache in FP8 e4m3 (K after rotary and V, divided
+by the scale, saturated at +-448, rounded, read back times it: kernels/reference.to_kv_cache), with
+engine.kv_cache_scale's fixed 1.0 / its per-layer `auto` scales (engine/kv_calibration.py: amax over
+the calibration texts x 2 / 448, measured here on the same model).
+--extraction runs the quickstart job (jobs/quickstart.yaml: JSON extraction of the 24 invoices,
+greedy) through `batchinfer.run` on the float32 engine with each setting (none; kv: an FP8 cache at
+scale 1.0; kv-auto: calibrated scales; fp8: FP8 weights) and prints each one's exact-match share of
+the five key fields against examples/data/invoices.truth.jsonl (tests/test_real_model.py's measure).
 Numbers: BENCHMARKS.md, "FP8 accuracy on SmolLM2-135M".
 """
 
@@ -39,6 +48,7 @@ def main() -> None:
     ap.add_argument("--variants", default="act,rtn,rtn-w,gptq,gptq-w")
     ap.add_argument("--held-out", action="store_true")
     ap.add_argument("--calibration-rows", type=int, default=44)
+    ap.add_argument("--extraction", default="", help="quickstart exact match for these settings (none,kv,kv-auto,fp8)")
     ap.add_argument("--only", default=None, help="with act: FP8 inputs only for these projections (e.g. q_proj,k_proj,v_proj)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -89,7 +99,13 @@ def main() -> None:
         a, t = result
         print(f"{name:55s} {a}/{t} = {100 * a / t:.1f}%", flush=True)
 
-    variants = args.variants.split(",")
+    variants = [v for v in args.variants.split(",") if v]
+    if "kv" in variants or "kv-auto" in variants:
+        set_weights(lambda w: w.clone())
+        if "kv" in variants:
+            report("FP8 KV cache, scale 1.0", kv_agreement(model, tok, prompts, answers, auto=False))
+        if "kv-auto" in variants:
+            report("FP8 KV cache, calibrated scales (kv_cache_scale auto)", kv_agreement(model, tok, prompts, answers, auto=True))
     if "act" in variants:
         set_weights(lambda w: w.clone())
         only = tuple(args.only.split(",")) if args.only else None
@@ -112,6 +128,77 @@ def main() -> None:
             report("FP8 weights by GPTQ, FP8 activations", agreement(True))
         if "gptq-w" in variants:
             report("FP8 weights by GPTQ, float32 activations", agreement(False))
+
+
+    for setting in [x for x in args.extraction.split(",") if x]:
+        print(f"extraction, {setting}: {extraction(path, setting)}", flush=True)
+
+
+def kv_agreement(model, tok, prompts, answers, auto: bool) -> tuple[int, int]:
+    """Teacher-forced agreement of the float32 model whose attention reads K and V as an FP8 cache
+    holds them (module docstring)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from batchinfer.engine.kv_calibration import CALIBRATION_TEXTS, scales_from_amax
+    from batchinfer.kernels.reference import from_kv_cache, to_kv_cache
+
+    fp8 = torch.float8_e4m3fn
+    layers = model.config.num_hidden_layers
+    amax = [[0.0, 0.0] for _ in range(layers)]
+    state = {"scales": None}
+
+    def attend(module, query, key, value, *rest, **kw):
+        i = module.layer_idx
+        if state["scales"] is None:  # calibration pass: record the largest |K| and |V|
+            amax[i][0] = max(amax[i][0], float(key.abs().amax()))
+            amax[i][1] = max(amax[i][1], float(value.abs().amax()))
+        else:
+            ks, vs = state["scales"][i]
+            key = from_kv_cache(to_kv_cache(key, fp8, ks), key.dtype, ks)
+            value = from_kv_cache(to_kv_cache(value, fp8, vs), value.dtype, vs)
+        return sdpa_attention_forward(module, query, key, value, *rest, **kw)
+
+    AttentionInterface.register("batchinfer_fp8_kv", attend)
+    before = model.config._attn_implementation
+    model.config._attn_implementation = "batchinfer_fp8_kv"
+    try:
+        with torch.inference_mode():
+            if auto:
+                for text in CALIBRATION_TEXTS:
+                    model(torch.tensor([tok.encode(text)]))
+                state["scales"] = scales_from_amax([tuple(a) for a in amax])
+            else:
+                state["scales"] = [(1.0, 1.0)] * layers
+            agree = total = 0
+            for p, a in zip(prompts, answers):
+                pred = model(torch.tensor([p + a[:-1]])).logits[0, len(p) - 1:].argmax(-1).tolist()
+                agree += sum(x == y for x, y in zip(pred, a))
+                total += len(a)
+    finally:
+        model.config._attn_implementation = before
+    return agree, total
+
+
+def extraction(model_dir, setting: str) -> str:
+    """The quickstart job's exact-match share with one FP8 setting (module docstring), scored by
+    tests/quickstart_score.py as the tests score it."""
+    import sys
+    import tempfile
+
+    import polars as pl
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from quickstart_score import describe, run_quickstart, score
+
+    overrides = {"none": [], "kv": ["engine.kv_cache_dtype=fp8_e4m3"],
+                 "kv-auto": ["engine.kv_cache_dtype=fp8_e4m3", "engine.kv_cache_scale=auto"],
+                 "fp8": ["model.quantization=fp8"]}[setting]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        run_quickstart(model_dir, out, overrides)
+        rows = pl.read_parquet(str(out / "*.parquet")).to_dicts()
+    return describe(score(rows), len(rows))
 
 
 if __name__ == "__main__":

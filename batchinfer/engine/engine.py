@@ -458,8 +458,9 @@ class Engine:
         rows = [(seq, token) for row, (seq, token) in enumerate(zip(flight.sampling, tokens))
                 if seq.pending_row == row and not seq.is_finished]
         verdicts = self.grammar.accept(rows)
-        fill = self.grammar.start_fill(next_sampling, rows, verdicts) if next_sampling else None
         self._phase("grammar_accept")
+        fill = self.grammar.start_fill(next_sampling, rows, verdicts) if next_sampling else None
+        self._phase("grammar_fill_start")
         return _Read(now, rows, verdicts, fill, flight.tokens.logprobs)
 
     def _finish_read(self, read: "_Read") -> tuple[list[Result], StartedFill | None]:

@@ -238,30 +238,6 @@ def precompile(shapes: list[tuple[str, int, int, int]], configs: list[Config], d
     print(f"compiled {len(shapes)} shapes x {len(configs)} configs on {jobs} threads in {time.perf_counter() - t0:.0f} s")
 
 
-def graph_time(fn: Callable[[], object], reps: int = 10) -> float:
-    """Median milliseconds of fn replayed from a CUDA graph (no launch overhead)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles (and fails here for a config the GPU cannot run)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def plain_time(fn: Callable[[], object], reps: int = 2) -> float:
     """Median host milliseconds of fn (CPU: the interpreter)."""
     fn()
@@ -428,12 +404,13 @@ def main() -> None:
     configs = parse_configs(args.configs) if args.configs else CONFIGS
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device (or --cpu-smoke)")
+    from batchinfer.bench.gpu_timing import graph_ms
     t0 = time.perf_counter()
     if args.compile_jobs > 0:
         precompile(shapes, configs, torch.bfloat16, args.compile_jobs)
     results, rows, ok = run_sweep(
         shapes, works, configs, torch.bfloat16, "cuda",
-        lambda fn: graph_time(fn, args.reps), GPU_TOLERANCE,
+        lambda fn: graph_ms(fn, args.reps), GPU_TOLERANCE,
     )
     if args.out:
         with open(args.out, "w") as f:

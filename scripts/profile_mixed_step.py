@@ -6,8 +6,8 @@ lengths after a 200-token cached prefix) and measures:
 1. host time to pack the step, host time to launch the eager forward, and the wall time to its end;
 2. the same forward captured in one CUDA graph: the device time with no launch gaps;
 3. device time per kernel (torch profiler over 3 eager forwards) and the host time per op;
-4. host cost of one launch: a Triton kernel (rms_norm) vs a torch op, on a tiny tensor;
-5. the extend-attention kernel alone over the step's prefill chunks, for a sweep of launch configs.
+4. host cost of one launch: a Triton kernel (rms_norm) vs a torch op, on a tiny tensor.
+The extend kernel alone, over released shapes and launch configs: scripts/extend_shape_sweep.py.
 
 Usage (device tool): python3 scripts/profile_mixed_step.py [--model qwen3-0.6b] [--decode 256]
     [--prefill 2600,2600,2600]
@@ -25,33 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batchinfer.bench.gpu_timing import graph_ms
 from batchinfer.bench.throughput import _model_folder
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.model_runner import ModelRunner
-
-
-def graph_time(fn, reps: int = 5) -> float:
-    """Milliseconds per call of fn replayed from a CUDA graph (no launch overhead)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -116,8 +93,8 @@ def main() -> None:
 
     # 2. the same forward in one CUDA graph
     batch = runner._pack(starts, lens, ids, tables, samples)
-    graph_ms = graph_time(lambda: runner.forward(batch))
-    print(f"graph replay of the same forward: {graph_ms:.2f} ms (device time without launch gaps)")
+    replay_ms = graph_ms(lambda: runner.forward(batch), reps=5)
+    print(f"graph replay of the same forward: {replay_ms:.2f} ms (device time without launch gaps)")
 
     # 2b. the engine's mixed-step graphs (every padded size captured), staged and replayed
     from batchinfer.engine.cuda_graphs import MixedGraphs
@@ -170,31 +147,7 @@ def main() -> None:
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         print(f"host launch cost {name}: {(t1 - t0) / 2000 * 1e6:.1f} us")
-
-    # 5. the extend kernel alone, over the prefill chunks
-    from batchinfer.kernels.extend_attention import paged_extend_attention
-
-    info = runner.info
-    meta = batch.meta
-    n_dec = meta.num_leading_single
-    t = sum(lens)
-    q = torch.randn(t, info.num_heads, info.head_dim, device="cuda", dtype=torch.bfloat16)
-    k_cache, v_cache = runner.kv_caches[0]
-    out = torch.empty_like(q)
-    scale = info.head_dim**-0.5
-    flops = sum(4 * n * (s + (n + 1) / 2) * info.num_heads * info.head_dim for s, n in zip(starts[n_dec:], lens[n_dec:]))
-    print(f"extend attention over {len(prefill)} chunks ({flops / 1e9:.1f} GFLOP per layer):")
-    for rows, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
-                                    (128, 32, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2), (256, 64, 8, 2), (128, 64, 4, 3)]:
-        try:
-            ms = graph_time(lambda: paged_extend_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                scale, block_rows=rows, block_n=bn, out=out, first_seq=n_dec, num_warps=warps, num_stages=stages))
-            print(f"  rows {rows:3d} keys {bn:3d} warps {warps} stages {stages}: {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s"
-                  f"  x{info.num_layers} layers = {ms * info.num_layers:6.2f} ms")
-        except Exception as exc:  # a config the GPU cannot run (shared memory)
-            print(f"  rows {rows} keys {bn} warps {warps} stages {stages}: failed: {str(exc)[:100]}")
-
+    # the extend kernel alone over released shapes and launch configs: scripts/extend_shape_sweep.py
 
 if __name__ == "__main__":
     main()

@@ -76,17 +76,11 @@ def main() -> None:
     def agreement(activations: bool, only=None) -> tuple[int, int]:
         hooks = [m.register_forward_pre_hook(lambda _m, a: (fake_quant_tokens(a[0]),)) for n, m in linears.items()
                  if activations and (only is None or n.rsplit(".", 1)[-1] in only)]
-        agree = total = 0
         try:
-            with torch.inference_mode():
-                for p, a in zip(prompts, answers):
-                    pred = model(torch.tensor([p + a[:-1]])).logits[0, len(p) - 1:].argmax(-1).tolist()
-                    agree += sum(x == y for x, y in zip(pred, a))
-                    total += len(a)
+            return teacher_forced(model, prompts, answers)
         finally:
             for h in hooks:
                 h.remove()
-        return agree, total
 
     def set_weights(fn) -> None:
         for n, m in linears.items():
@@ -128,10 +122,20 @@ def main() -> None:
             report("FP8 weights by GPTQ, FP8 activations", agreement(True))
         if "gptq-w" in variants:
             report("FP8 weights by GPTQ, float32 activations", agreement(False))
-
-
     for setting in [x for x in args.extraction.split(",") if x]:
         print(f"extraction, {setting}: {extraction(path, setting)}", flush=True)
+
+
+def teacher_forced(model, prompts, answers) -> tuple[int, int]:
+    """(agreeing, all) answer positions: the model's argmax over each prompt + answer against the
+    answer token there."""
+    agree = total = 0
+    with torch.inference_mode():
+        for p, a in zip(prompts, answers):
+            pred = model(torch.tensor([p + a[:-1]])).logits[0, len(p) - 1:].argmax(-1).tolist()
+            agree += sum(x == y for x, y in zip(pred, a))
+            total += len(a)
+    return agree, total
 
 
 def kv_agreement(model, tok, prompts, answers, auto: bool) -> tuple[int, int]:
@@ -163,21 +167,16 @@ def kv_agreement(model, tok, prompts, answers, auto: bool) -> tuple[int, int]:
     before = model.config._attn_implementation
     model.config._attn_implementation = "batchinfer_fp8_kv"
     try:
-        with torch.inference_mode():
-            if auto:
+        if auto:
+            with torch.inference_mode():
                 for text in CALIBRATION_TEXTS:
                     model(torch.tensor([tok.encode(text)]))
-                state["scales"] = scales_from_amax([tuple(a) for a in amax])
-            else:
-                state["scales"] = [(1.0, 1.0)] * layers
-            agree = total = 0
-            for p, a in zip(prompts, answers):
-                pred = model(torch.tensor([p + a[:-1]])).logits[0, len(p) - 1:].argmax(-1).tolist()
-                agree += sum(x == y for x, y in zip(pred, a))
-                total += len(a)
+            state["scales"] = scales_from_amax([tuple(a) for a in amax])
+        else:
+            state["scales"] = [(1.0, 1.0)] * layers
+        return teacher_forced(model, prompts, answers)
     finally:
         model.config._attn_implementation = before
-    return agree, total
 
 
 def extraction(model_dir, setting: str) -> str:

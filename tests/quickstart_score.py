@@ -14,6 +14,9 @@ QUICKSTART = ROOT / "jobs" / "quickstart.yaml"
 SCHEMA = ROOT / "examples" / "invoice.schema.json"
 TRUTH = ROOT / "examples" / "data" / "invoices.truth.jsonl"
 KEY_FIELDS = ("vendor", "invoice_number", "date", "total", "currency")  # total: its number, as written
+# the share the float32 engine scores, greedy (measured 2026-12-01: vendor 12, invoice_number 19,
+# date 23, total 21, currency 8 of 24); the FP8 test keeps its own within 2 points of it
+FLOAT32_EXACT_MATCH = 83 / 120
 
 
 def amount(text: str) -> float | None:

@@ -301,11 +301,11 @@ class Engine:
         with drafts (engine/speculative.py) where the gate (engine/spec_gate.py) measures that it
         pays, else a plain one."""
         spec = self.speculator
-        # a step whose token budget prefill fills has no room for drafts: with them it would only be
-        # a plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md)
         if spec is None:
             return self._plain_step()
         gate = spec.gate
+        # a step whose token budget prefill fills has no room for drafts: with them it would only be
+        # a plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md)
         if not spec.has_room(self):
             if gate is not None:
                 gate.passed()

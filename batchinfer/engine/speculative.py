@@ -33,9 +33,10 @@ fit, a preempted sequence drops them. The n-gram draft length adapts per sequenc
 acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are rarely right, probed
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
-Whether a step drafts at all is measured (engine/spec_gate.py SpecGate, `gate`): per batch size,
-the output rate of steps with drafts against plain steps, which run the ordinary overlapped loop;
-the better one runs, the other is probed now and then.
+While waiting prompts fill a step's token budget (no room for a draft: has_room) the engine runs
+its ordinary overlapped loop instead. Whether the other steps draft can be measured as well
+(engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
+against plain steps; the better one runs, the other is probed now and then.
 Steps with drafts run the serial loop (EngineConfig.overlap does not apply to them) and fill the
 masks of drafted positions on the loop's thread. Nothing of a verify step's host work hides behind
 the device, so it is kept to one pass per sequence per phase and numpy per row (engine/verify.py:
@@ -86,8 +87,8 @@ class SpeculativeConfig:
     adaptive, draft the j-th n-gram token while the estimated chance that it is accepted is at
     least this; probe_interval: steps between one-token probes of a sequence whose n-gram drafts
     are off (engine/drafts.py DraftLength); gate: speculate only where steps with drafts measure
-    a higher output rate than plain steps (engine/spec_gate.py); off: every step drafts (the
-    default until the gate is measured on a GPU)."""
+    a higher output rate than plain steps (engine/spec_gate.py); off (the default: on an H200 it
+    changed little either way, BENCHMARKS.md): every step with room for drafts drafts."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 

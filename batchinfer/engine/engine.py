@@ -301,11 +301,11 @@ class Engine:
         with drafts (engine/speculative.py) where the gate (engine/spec_gate.py) measures that it
         pays, else a plain one."""
         spec = self.speculator
-        # a step whose token budget prefill fills has no room for drafts: with them it would only be
-        # a plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md)
         if spec is None:
             return self._plain_step()
         gate = spec.gate
+        # a step whose token budget prefill fills has no room for drafts: with them it would only be
+        # a plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md)
         if not spec.has_room(self):
             if gate is not None:
                 gate.passed()
@@ -458,8 +458,9 @@ class Engine:
         rows = [(seq, token) for row, (seq, token) in enumerate(zip(flight.sampling, tokens))
                 if seq.pending_row == row and not seq.is_finished]
         verdicts = self.grammar.accept(rows)
-        fill = self.grammar.start_fill(next_sampling, rows, verdicts) if next_sampling else None
         self._phase("grammar_accept")
+        fill = self.grammar.start_fill(next_sampling, rows, verdicts) if next_sampling else None
+        self._phase("grammar_fill_start")
         return _Read(now, rows, verdicts, fill, flight.tokens.logprobs)
 
     def _finish_read(self, read: "_Read") -> tuple[list[Result], StartedFill | None]:

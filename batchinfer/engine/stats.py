@@ -24,8 +24,9 @@ class StepStats:
     host_ms: float = 0.0  # all host work of the step (step_ms - wait_ms), hidden or not
     wait_ms: float = 0.0  # host time blocked waiting on the device
     # host time by phase of the loop iteration, in order: schedule, prepare, launch (forward),
-    # read_tokens (blocked on the device), grammar_accept, post (detokenise, stops, finish),
-    # grammar_mask (waiting for / filling the next masks), sample_launch
+    # read_tokens (blocked on the device), grammar_accept, grammar_fill_start (planning the next
+    # masks and starting their fill), post (detokenise, stops, finish), grammar_mask (waiting for /
+    # filling the next masks), sample_launch
     phases_ms: dict[str, float] = field(default_factory=dict)
     prefill_limited: bool = False  # the prefill policy (slack) held prefill back in this step
     # speculative decoding (engine/speculative.py; all 0 when off): draft tokens proposed, computed by

@@ -2,7 +2,8 @@
 
 A real capture needs a GPU (tests/test_gpu_engine.py). Here a recorder stands in for the torch.cuda
 module and logs every call the loop makes, so the rules the loop exists to keep are checked on the
-CPU: each size's warm-up runs before its capture and on the stream the capture uses; the garbage
+CPU: the largest size's warm-up runs before its capture and on the stream the capture uses, smaller
+sizes are warmed up only when a capture without one fails; the garbage
 collector is off during captures (finalisers of dead objects, such as another engine's graphs, run
 before the first capture, never inside one) and back on afterwards, also when a capture fails; the
 graphs share the first graph's memory pool.
@@ -21,7 +22,7 @@ class _Stream:
     def __init__(self, log: list, name: str) -> None:
         self.log, self.name = log, name
 
-    def wait_stream(self, other: "_Stream") -> None:
+    def wait_stream(self, other: _Stream) -> None:
         self.log.append(("wait", self.name, other.name))
 
 
@@ -39,8 +40,10 @@ class _Graph:
 class RecordingCuda:
     """The parts of torch.cuda the capture loop uses; every call goes to `log`."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
+    def __init__(self, fail_at: int | None = None, until_warm: bool = False) -> None:
         self.log: list = []
+        self.until_warm = until_warm  # fail_at's capture fails only until a warm-up of it ran
+        self.warmed: set[int] = set()
         self.default = _Stream(self.log, "default")
         self.side = _Stream(self.log, "capture")
         self.current = self.default
@@ -84,9 +87,12 @@ class RecordingCuda:
         self.log.append(("sync",))
 
     def run(self, size: int) -> str:
-        """The body: logs where it ran; raises inside the capture of `fail_at`."""
+        """The body: logs where it ran; raises inside the capture of `fail_at` (with until_warm,
+        only before a warm-up of that size: a kernel variant that compiles on its first run)."""
         self.log.append(("run", size, self.current.name, self.capturing, gc.isenabled()))
-        if self.capturing and size == self.fail_at:
+        if not self.capturing:
+            self.warmed.add(size)
+        if self.capturing and size == self.fail_at and not (self.until_warm and size in self.warmed):
             raise RuntimeError("operation not permitted when stream is capturing")
         return f"out-{size}"
 
@@ -101,15 +107,13 @@ class _Finalised:
         self.log.append(("finalised", self.name))
 
 
-def test_warm_up_on_the_capture_stream_before_each_capture_largest_first():
+def test_the_largest_size_warms_up_on_the_capture_stream_and_the_rest_are_captured_directly():
     cuda = RecordingCuda()
     graphs, outputs = capture_largest_first((1, 2, 4), cuda.run, cuda=cuda)
     assert sorted(graphs) == [1, 2, 4] and outputs == {4: "out-4", 2: "out-2", 1: "out-1"}
     runs = [e for e in cuda.log if e[0] == "run"]
-    # per size, largest first: the warm-up (not capturing) then the captured run, both on the side stream
-    assert [(size, capturing) for _, size, _, capturing, _ in runs] == [
-        (4, False), (4, True), (2, False), (2, True), (1, False), (1, True)
-    ]
+    # largest first: its warm-up (not capturing) then its captured run; the smaller sizes captured only
+    assert [(size, capturing) for _, size, _, capturing, _ in runs] == [(4, False), (4, True), (2, True), (1, True)]
     assert all(stream == "capture" for _, _, stream, _, _ in runs)
     # the side stream waits for the default one before the warm-up, and the other way round after it
     first_run = cuda.log.index(runs[0])
@@ -122,6 +126,26 @@ def test_warm_up_on_the_capture_stream_before_each_capture_largest_first():
     first_pool = graphs[4].pool()
     assert [b[2] for b in begins] == [None, first_pool, first_pool]
     assert cuda.log[-1] == ("sync",)
+
+
+def test_warm_every_warms_each_size_before_its_capture():
+    cuda = RecordingCuda()
+    capture_largest_first((1, 2, 4), cuda.run, cuda=cuda, warm_every=True)
+    runs = [(e[1], e[3]) for e in cuda.log if e[0] == "run"]
+    assert runs == [(4, False), (4, True), (2, False), (2, True), (1, False), (1, True)]
+
+
+def test_a_capture_that_fails_without_a_warm_up_is_warmed_and_captured_again():
+    cuda = RecordingCuda(fail_at=2, until_warm=True)
+    graphs, outputs = capture_largest_first((1, 2, 4), cuda.run, cuda=cuda)
+    assert sorted(graphs) == [1, 2, 4] and outputs[2] == "out-2"
+    runs = [(e[1], e[3]) for e in cuda.log if e[0] == "run"]
+    assert runs == [(4, False), (4, True), (2, True), (2, False), (2, True), (1, True)]
+    assert not cuda.capturing and gc.isenabled()
+    # the retry is a fresh graph in the same pool; the failed one is not kept
+    begins = [e for e in cuda.log if e[0] == "begin"]
+    assert len(begins) == 4 and begins[1][1] != begins[2][1] == graphs[2].id
+    assert [b[2] for b in begins[1:]] == [graphs[4].pool()] * 3
 
 
 def test_no_finaliser_runs_inside_a_capture():
@@ -156,7 +180,8 @@ def test_a_failed_capture_names_its_size_and_turns_the_collector_back_on():
     with pytest.raises(RuntimeError, match="capture of size 2 failed: operation not permitted"):
         capture_largest_first((1, 2, 4), cuda.run, cuda=cuda)
     assert gc.isenabled()
-    assert [e[1] for e in cuda.log if e[0] == "run"] == [4, 4, 2, 2]  # stopped at the failure
+    # captured without a warm-up, failed, warmed, failed again: stopped there
+    assert [e[1] for e in cuda.log if e[0] == "run"] == [4, 4, 2, 2, 2]
     assert not cuda.capturing and cuda.current is cuda.default  # the capture context was left
 
 

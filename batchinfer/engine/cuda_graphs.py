@@ -15,9 +15,11 @@ context lengths, block tables, whatever its kernels read). `run` copies the step
 into them (device-side copies, no sync), then replays. Every kernel in the body must be graph-safe:
 no host syncs and launch shapes fixed by the buffers (`AttentionBackend.graph_safe`).
 
-Capture rules this module keeps (capture_largest_first): each body runs once before its capture on
-the stream the capture uses (kernels compile, cuBLAS takes its workspace for that stream, outside
-the graph's pool); Python's garbage collector is off during captures, after one collection first:
+Capture rules this module keeps (capture_largest_first): the body of the largest size runs once before
+its capture on the stream the capture uses (kernels compile, cuBLAS takes its workspace for that
+stream, outside the graph's pool); smaller sizes are captured without that warm-up run, and one whose
+capture fails (a kernel variant that must compile first, say) is warmed up and captured again;
+Python's garbage collector is off during captures, after one collection first:
 a finaliser run mid-capture (another engine's graphs and pools being freed) would make a CUDA call
 that invalidates the capture; `close()` releases the graphs and their memory pool.
 """
@@ -70,36 +72,58 @@ def ladder_size(sizes: tuple[int, ...], n: int) -> int:
     return sizes[bisect.bisect_left(sizes, n)]
 
 
-def capture_largest_first(sizes: tuple[int, ...], run: Callable[[int], object], cuda=torch.cuda) -> tuple[dict, dict]:
-    """For each size, largest first: run(size) once on the capture stream (a warm-up: kernels
-    compile and libraries set up their per-stream state outside the capture), then capture run(size)
-    into a CUDA graph. All graphs share one memory pool (only one replays at a time). The garbage
-    collector is off meanwhile (after one collection), so no finaliser runs inside a capture.
-    Returns {size: graph} and {size: what the captured run returned}.
+def capture_largest_first(
+    sizes: tuple[int, ...], run: Callable[[int], object], cuda=torch.cuda, warm_every: bool = False,
+) -> tuple[dict, dict]:
+    """For each size, largest first, capture run(size) into a CUDA graph. All graphs share one memory
+    pool (only one replays at a time). The garbage collector is off meanwhile (after one collection),
+    so no finaliser runs inside a capture. Returns {size: graph} and {size: what the captured run
+    returned}.
+
+    Warm-up: run(size) once on the capture stream before its capture (kernels compile and libraries
+    set up their per-stream state outside the capture) for the largest size, and for a smaller size
+    only when its capture without one failed (then it is captured again; a second failure raises).
+    Why not warm every size: a warm-up is a whole forward, and on a 7B model the warm-ups of the
+    mixed-step ladder (18 sizes up to 8,192 tokens) are most of its capture time. warm_every: the
+    old rule, every size warmed first.
 
     `cuda`: the torch.cuda module (a test passes a recorder to check the order of these steps).
     """
     graphs: dict[int, object] = {}
     outputs: dict[int, object] = {}
     pool = None
+
+    def warm(size: int, stream) -> None:
+        stream.wait_stream(cuda.current_stream())
+        with cuda.stream(stream):
+            run(size)
+        cuda.current_stream().wait_stream(stream)
+        cuda.synchronize()
+
+    def attempt(size: int, warm_first: bool):
+        graph = cuda.CUDAGraph()
+        capture = cuda.graph(graph, pool=pool)
+        if warm_first:
+            warm(size, capture.capture_stream)
+        with capture:
+            out = run(size)
+        return graph, out
+
     collecting = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         for size in reversed(sizes):
-            graph = cuda.CUDAGraph()
-            capture = cuda.graph(graph, pool=pool)
-            stream = capture.capture_stream
-            stream.wait_stream(cuda.current_stream())
-            with cuda.stream(stream):
-                run(size)
-            cuda.current_stream().wait_stream(stream)
-            cuda.synchronize()
+            warm_first = warm_every or pool is None
             try:
-                with capture:
-                    outputs[size] = run(size)
+                graph, outputs[size] = attempt(size, warm_first)
             except Exception as exc:
-                raise RuntimeError(f"CUDA graph capture of size {size} failed: {exc}") from exc
+                if warm_first:
+                    raise RuntimeError(f"CUDA graph capture of size {size} failed: {exc}") from exc
+                try:
+                    graph, outputs[size] = attempt(size, True)
+                except Exception as again:
+                    raise RuntimeError(f"CUDA graph capture of size {size} failed: {again}") from again
             pool = graph.pool() if pool is None else pool
             graphs[size] = graph
         cuda.synchronize()

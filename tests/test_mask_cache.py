@@ -57,3 +57,29 @@ def test_copy_rows():
     dst = torch.full((3, 3), -1, dtype=torch.int32)
     copy_rows(dst, [2, 0], src, [1, 3])
     assert dst.tolist() == [[9, 10, 11], [-1, -1, -1], [3, 4, 5]]
+
+
+@settings(max_examples=80, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)), max_size=12, unique_by=lambda p: p[0]),
+       same=st.booleans())
+def test_copy_rows_equals_one_indexed_copy(pairs, same):
+    """Grouped by source (one broadcast write each) or not, the rows equal one gathered copy made
+    before any write, also within one tensor whose sources are targets too."""
+    src = torch.arange(8 * WORDS, dtype=torch.int32).reshape(8, WORDS)
+    dst = src.clone() if same else torch.full((8, WORDS), -1, dtype=torch.int32)
+    rows, sources = [d for d, _ in pairs], [s for _, s in pairs]
+    want = dst.clone()
+    if rows:
+        want[rows] = (dst if same else src)[sources].clone()
+    copy_rows(dst, rows, dst if same else src, sources)
+    assert torch.equal(dst, want)
+
+
+def test_allow_all_but_leaves_only_the_rows_named():
+    from batchinfer.engine.grammar import allow_all_but
+
+    mask = torch.zeros((5, WORDS), dtype=torch.int32)
+    allow_all_but(mask, [1, 3])
+    assert mask[:, 0].tolist() == [-1, 0, -1, 0, -1]
+    allow_all_but(mask, [])
+    assert bool((mask == -1).all())

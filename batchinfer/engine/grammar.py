@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from batchinfer.engine.mask_cache import MaskCache, copy_rows
@@ -168,18 +169,21 @@ class GrammarState:
         at = [k for k, (seq, _) in enumerate(rows) if seq.matcher is not None]
         if not at:
             return verdicts
-        matchers = [rows[k][0].matcher for k in at]
+        seqs = [rows[k][0] for k in at]
         tokens = [rows[k][1] for k in at]
-        accepted = self._compiler.accept_tokens(matchers, tokens)
+        accepted = self._compiler.accept_tokens([seq.matcher for seq in seqs], tokens)
         token_bytes, leads = self._token_bytes, self._token_leads
-        for k, m, token, ok in zip(at, matchers, tokens, accepted):
-            verdicts[k] = ("terminated" if m.is_terminated() else "ok") if ok else "rejected"
-            track = rows[k][0].grammar_track
-            if track is not None:
-                if verdicts[k] == "ok" and token < len(token_bytes):
-                    track[1].feed(token_bytes[token], leads[token])
-                else:
-                    rows[k][0].grammar_track = None
+        known = len(token_bytes) if token_bytes is not None else 0
+        for k, seq, token, ok in zip(at, seqs, tokens, accepted):
+            verdict = ("terminated" if seq.matcher.is_terminated() else "ok") if ok else "rejected"
+            verdicts[k] = verdict
+            track = seq.grammar_track
+            if track is None:
+                continue
+            if verdict == "ok" and token < known:
+                track[1].feed(token_bytes[token], leads[token])
+            else:
+                seq.grammar_track = None
         return verdicts
 
     def start_fill(
@@ -199,8 +203,8 @@ class GrammarState:
                 if s.matcher is not None and s.status is SequenceStatus.RUNNING and id(s) not in ended]
         if not rows:
             return None
-        mask = self._mask_buffer(len(sampling))
         plan = self._plan(sampling, rows, {})
+        mask = self._mask_buffer(len(sampling), plan)
         pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
                                             before=self._gather(plan, mask))
         return StartedFill(pending, rows, plan)
@@ -267,7 +271,6 @@ class GrammarState:
         if not rows:
             return None
         if mask is None:
-            mask = self._mask_buffer(len(sampling))
             missing, first = rows, {}
         else:
             filled = set(fill.rows)
@@ -278,6 +281,8 @@ class GrammarState:
             first = {k: r for k, r in fill.plan.first.items() if live[r]}  # a reset row is no source
         if missing:
             plan = self._plan(sampling, missing, first)
+            if mask is None:
+                mask = self._mask_buffer(len(sampling), plan)
             # one batched call per grammar library, on the library's own threads (GIL released); the
             # cached rows are copied first, on this thread (background=False)
             pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
@@ -287,8 +292,9 @@ class GrammarState:
             self._finish(mask, plan)
         return mask
 
-    def _mask_buffer(self, rows: int) -> torch.Tensor:
-        """An all-allowed int32 bitmask [rows, ceil(V/32)] from a ring of MASK_BUFFERS preallocated ones.
+    def _mask_buffer(self, rows: int, plan: RowPlan) -> torch.Tensor:
+        """An int32 bitmask [rows, ceil(V/32)] from a ring of MASK_BUFFERS preallocated ones, all
+        allowed (-1) but for the rows the plan copies whole into it (its copies and cache hits).
 
         At most one is taken per step, for that step's sampling; the buffer taken at step N comes
         back at step N+3, after the host has read step N+2's tokens, so step N's copy of it to the
@@ -302,7 +308,7 @@ class GrammarState:
             ]
         buf = self._masks[self._num_masks % MASK_BUFFERS][:rows]
         self._num_masks += 1
-        buf.numpy().fill(-1)  # (torch's fill_ of these 4.9 MB took 8 ms on a 2-core CPU, numpy's 0.5 ms)
+        allow_all_but(buf, plan.copies[0] + plan.hits[0])
         return buf
 
     def close(self) -> None:
@@ -312,3 +318,16 @@ class GrammarState:
         self._compiler = None
         self._grammars = {}
         self._masks = None
+
+
+def allow_all_but(mask: torch.Tensor, rows: list[int]) -> None:
+    """Set every row of `mask` to -1 (all allowed) except `rows`, through numpy (torch's fill_ of a
+    4.9 MB buffer took 8 ms on a 2-core CPU, numpy's 0.5 ms); the rows left out are about to be
+    overwritten whole, most rows of a step with shared masks."""
+    out = mask.numpy()
+    if not rows:
+        out.fill(-1)
+        return
+    keep = np.zeros(len(out), dtype=bool)
+    keep[rows] = True
+    out[np.flatnonzero(~keep)] = -1

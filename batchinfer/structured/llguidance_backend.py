@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import partial
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -251,8 +252,7 @@ class LLGuidanceBackend:
         consume_token); callers end such a sequence anyway (the engine finishes it as an error).
         """
         ok = [False] * len(matchers)
-        batch: list[tuple[Any, int]] = []
-        where: list[int] = []
+        batch: list[tuple[int, int, Any, int]] = []  # (group, position k, raw matcher, token)
         for k, (m, t) in enumerate(zip(matchers, tokens)):
             raw = m._m
             if m._ended or raw.is_error():
@@ -261,14 +261,13 @@ class LLGuidanceBackend:
                 if raw.is_accepting():
                     m._ended = ok[k] = True
                 continue
-            batch.append((m.group, raw, t))
-            where.append(k)
+            batch.append((m.group, k, raw, t))
         if batch:
             # grouped by prototype, as in fill_call: each thread mostly takes its own group's lock
-            order = sorted(range(len(batch)), key=lambda j: batch[j][0])
-            done = self._pool().consume_token_par([batch[j][1:] for j in order])
-            for j, good in zip(order, done):
-                ok[where[j]] = bool(good)
+            batch.sort(key=itemgetter(0))
+            done = self._pool().consume_token_par([(raw, t) for _, _, raw, t in batch])
+            for (_, k, _, _), good in zip(batch, done):
+                ok[k] = bool(good)
         return ok
 
 

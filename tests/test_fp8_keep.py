@@ -91,6 +91,7 @@ def test_kept_projections_stay_float_and_the_rest_is_fp8(model_factory):
     plain, _ = _load(path)
     assert torch.equal(model.layers[0].self_attn.o_proj.weight, plain.layers[0].self_attn.o_proj.weight)
     assert torch.equal(model.layers[1].mlp.gate_up_proj.weight, plain.layers[1].mlp.gate_up_proj.weight)
+    assert info.fp8_kept_params == sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
     # memory: what the modules hold, FP8 where FP8
     held = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
     assert info.weight_bytes == held == load_model_info(str(path), "float32", "cpu", "fp8", ("o_proj", "layers.1.mlp")).weight_bytes
@@ -126,6 +127,21 @@ def test_fp8_keep_errors_name_the_field(model_factory):
     assert info.fp8_kept == tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
     with pytest.raises(ModelLoadError, match=r"k_proj, .*v_proj kept in 16-bit but not model.layers.1.self_attn.q_proj"):
         load_model_info(str(path), quantization="fp8", fp8_keep=("layers.0.self_attn.q_proj", "k_proj", "v_proj"))
+
+
+def test_step_cost_runs_kept_projections_at_the_16_bit_rate(model_factory):
+    from batchinfer.bench.roofline import Ceilings
+    from batchinfer.engine.step_cost import StepCost
+
+    path = model_factory("llama")
+    ceil = Ceilings("x", copy_bytes_per_s=1e9, matmul_flops_per_s=1e12, fp8_matmul_flops_per_s=2e12)
+    all_fp8 = StepCost.for_model(load_model_info(str(path), quantization="fp8"), ceil, 2)
+    info = load_model_info(str(path), quantization="fp8", fp8_keep=("layers.0",))
+    kept = StepCost.for_model(info, ceil, 2)
+    assert all_fp8.layer_flops_per_s == 2e12
+    share = info.fp8_kept_params / info.num_layer_params
+    assert 0.3 < share < 0.5  # one of two layers, less its norms
+    assert kept.layer_flops_per_s == pytest.approx(1 / ((1 - share) / 2e12 + share / 1e12))
 
 
 def test_engine_config_and_job_field(tmp_path):

@@ -159,13 +159,16 @@ def quantize_fp8_gptq(
             projs = {n: m for n, m in _projections(layer).items() if not module_kept(f"{prefix[id(layer)]}.{n}", keep)}
             sums = {n: None for n in projs}
             counts = dict.fromkeys(projs, 0)
+            last: dict[str, Any] = {"input": None, "h": None}  # q/k/v (gate/up) read one tensor: x^T x once
 
-            def collect(name, sums=sums, counts=counts):
+            def collect(name, sums=sums, counts=counts, last=last):
                 def hook(_mod, args):
-                    x = fake_quant_tokens(args[0]).reshape(-1, args[0].shape[-1]).double()
-                    h = x.T @ x
+                    if args[0] is not last["input"]:
+                        x = fake_quant_tokens(args[0]).reshape(-1, args[0].shape[-1]).double()
+                        last["input"], last["h"] = args[0], x.T @ x
+                    h = last["h"]
                     sums[name] = h if sums[name] is None else sums[name] + h
-                    counts[name] += x.shape[0]
+                    counts[name] += args[0].reshape(-1, args[0].shape[-1]).shape[0]
                 return hook
 
             hooks = [m.register_forward_pre_hook(collect(n)) for n, m in projs.items()]
@@ -174,6 +177,7 @@ def quantize_fp8_gptq(
             finally:
                 for h in hooks:
                     h.remove()
+                last.clear()
             for n, m in projs.items():
                 q, scale = gptq_fp8(m.weight.data, sums[n] / max(1, counts[n]), config)
                 m.weight.data = (q.float() * scale).to(m.weight.dtype)

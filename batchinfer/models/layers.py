@@ -114,6 +114,11 @@ class ModelConfig:
         return [f"model.layers.{i}.{m}" for i in range(self.num_layers) for f, mods in FUSED.items()
                 if self.projection_quantization(i, f) != self.quantization for m in mods]
 
+    def kept_params(self) -> int:
+        """Weights of the projections fp8_keep leaves in the model's dtype (their FLOPs run at the 16-bit rate)."""
+        return sum(i * o for li in range(self.num_layers) for f, (i, o, _) in zip(FUSED, self.projections())
+                   if self.projection_quantization(li, f) != self.quantization)
+
     def weight_bytes(self, dtype_bytes: int) -> int:
         """Bytes of all weights in memory: embeddings, LM head and norms in the model's dtype, the
         projections as `quantization` stores them (FP8: 1 byte a weight plus a float32 scale a row;

@@ -62,6 +62,7 @@ class ModelInfo:
     num_layer_params: int = 0  # decoder layers only (no embeddings / LM head): FLOPs per token
     quantization: str = "none"  # of the decoder layers' projections: none | fp8 (models/linear.py)
     fp8_kept: tuple[str, ...] = ()  # with fp8: the checkpoint modules kept in the model's dtype
+    fp8_kept_params: int = 0  # their weights (of num_layer_params)
     weight_bytes: int = 0  # all weights as held in memory (FP8 projections: 1 byte a weight + scales)
 
 
@@ -212,6 +213,7 @@ def _info(model_dir: Path, hf: dict, gen: dict, cfg: ModelConfig, dtype: torch.d
         num_layer_params=cfg.num_layer_params(),
         quantization=cfg.quantization,
         fp8_kept=tuple(cfg.kept_projections()),
+        fp8_kept_params=cfg.kept_params(),
         weight_bytes=cfg.weight_bytes(dtype.itemsize),
     )
 

@@ -553,7 +553,6 @@ def quantize_fp8(
     loads it as it is (compressed-tensors float8)."""
     from batchinfer.convert.fp8_gptq import calibration_ids, quantize_checkpoint
     from batchinfer.models.loader import load_tokenizer
-
     from batchinfer.models.quant import check_keep_patterns
 
     patterns = tuple(p.strip() for p in keep.split(",") if p.strip())

@@ -18,7 +18,14 @@ from typer.testing import CliRunner
 from batchinfer.attention import get_attention_backend
 from batchinfer.models.linear import Fp8Linear, Linear
 from batchinfer.models.loader import ModelLoadError, load_model, load_model_info
-from batchinfer.models.quant import check_keep_patterns, checkpoint_keep, dequantize_rows, module_kept, quantize_rows, quantize_tokens
+from batchinfer.models.quant import (
+    check_keep_patterns,
+    checkpoint_keep,
+    dequantize_rows,
+    module_kept,
+    quantize_rows,
+    quantize_tokens,
+)
 
 EMULATED_REL = 1e-3
 

@@ -127,7 +127,7 @@ class EngineConfig:
         if self.quantization not in ("none", "fp8"):
             raise ValueError(f"quantization must be none or fp8, not {self.quantization!r}")
         if isinstance(self.fp8_keep, str) or not isinstance(self.fp8_keep, (list, tuple)):
-            raise ValueError(f"fp8_keep must be a list of module names or patterns, not {self.fp8_keep!r}")
+            raise ValueError(f"fp8_keep must be a list of module names or patterns, not {self.fp8_keep!r}")  # noqa: TRY004 (config errors are ValueErrors)
         object.__setattr__(self, "fp8_keep", tuple(self.fp8_keep))
         check_keep_patterns(self.fp8_keep, "fp8_keep")
         if self.fp8_keep and self.quantization != "fp8":

@@ -269,7 +269,8 @@ def _load_for_checks(job: Path, set_: list[str]) -> tuple[Any, Any, Any, Any]:
     spec = load_job(job, set_)
     check_device(spec.engine.device)
     model_dir = resolve_model(spec)
-    info = load_model_info(str(model_dir), spec.model.dtype, _device(spec.engine.device), spec.model.quantization)
+    info = load_model_info(str(model_dir), spec.model.dtype, _device(spec.engine.device), spec.model.quantization,
+                           spec.model.fp8_keep)
     tokenizer = load_tokenizer(model_dir)
     files = list_input_files(spec.input.path, spec.input.format)
     ids = check_ids(files, spec.input.id_column, spec.input.duplicates)
@@ -543,24 +544,31 @@ def quantize_fp8(
     max_tokens: int = typer.Option(512, "--max-tokens", help="tokens kept of each row"),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap each text as a user message (the chat template)"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    keep: str = typer.Option("", "--keep", help="projections left in 16-bit, comma-separated names or patterns "
+                             "(o_proj, layers.0, model.layers.29.mlp.down_proj, re:REGEX); recorded in the "
+                             "checkpoint's quantization_config ignore list"),
 ) -> None:
     """Write an FP8 checkpoint whose weights are rounded with error compensation (GPTQ) on calibration
     text: more accurate than rounding at load (model.quantization fp8) on small models; the engine
     loads it as it is (compressed-tensors float8)."""
     from batchinfer.convert.fp8_gptq import calibration_ids, quantize_checkpoint
     from batchinfer.models.loader import load_tokenizer
+    from batchinfer.models.quant import check_keep_patterns
 
+    patterns = tuple(p.strip() for p in keep.split(",") if p.strip())
     try:
+        check_keep_patterns(patterns, "--keep")
         if not (src / "config.json").is_file():
             raise ValueError(f"{src}: not a model folder (no config.json)")
         if not calibration.is_file():
             raise ValueError(f"--calibration {calibration}: no such file")
         ids = calibration_ids(calibration, load_tokenizer(str(src)), field, samples, max_tokens, chat)
         r = quantize_checkpoint(src, dst, ids, device,
-                                progress=lambda i, n: typer.echo(f"layer {i}/{n} rounded", err=True))
+                                progress=lambda i, n: typer.echo(f"layer {i}/{n} rounded", err=True), keep=patterns)
     except (ValueError, OSError, *_user_errors()) as e:
         raise _fail(str(e), EXIT_INVALID) from None
-    typer.echo(f"wrote {dst}: {r.projections} projections of {r.layers} layers in FP8 (GPTQ on {len(ids)} rows, "
+    kept = f", {r.kept} kept in 16-bit" if r.kept else ""
+    typer.echo(f"wrote {dst}: {r.projections} projections of {r.layers} layers in FP8{kept} (GPTQ on {len(ids)} rows, "
                f"{r.calibration_tokens:,} tokens) in {r.seconds:.1f} s")
 
 

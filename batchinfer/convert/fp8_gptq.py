@@ -33,7 +33,13 @@ from typing import Any
 
 import torch
 
-from batchinfer.models.quant import FP8_DTYPE, FP8_MAX, quantize_rows, quantize_tokens
+from batchinfer.models.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    module_kept,
+    quantize_rows,
+    quantize_tokens,
+)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -58,6 +64,7 @@ class QuantizeReport:
     projections: int
     calibration_tokens: int
     seconds: float
+    kept: int = 0  # projections left in 16-bit
 
 
 def fake_quant_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -119,11 +126,13 @@ def _projections(layer: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 def quantize_fp8_gptq(
     model: Any, calibration: Sequence[Sequence[int]], config: GptqConfig = GptqConfig(),
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, keep: Sequence[str] = (),
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Round every decoder projection of a transformers causal LM (float32, eval mode) with GPTQ;
     returns {module name: (W_fp8, scale [N, 1])} and leaves each projection's weight dequantised
-    (the model then computes what the FP8 checkpoint will). calibration: token id lists."""
+    (the model then computes what the FP8 checkpoint will). calibration: token id lists. keep:
+    patterns (models/quant.py module_kept) of projections left as they are, weights and inputs in
+    16-bit; the ones after them are calibrated on that."""
     layers = _decoder_layers(model)
     device = next(model.parameters()).device
     inputs: list[tuple[tuple, dict]] = []
@@ -147,16 +156,19 @@ def quantize_fp8_gptq(
     rounded_hooks = []
     try:
         for li, layer in enumerate(layers):
-            projs = _projections(layer)
+            projs = {n: m for n, m in _projections(layer).items() if not module_kept(f"{prefix[id(layer)]}.{n}", keep)}
             sums = {n: None for n in projs}
             counts = dict.fromkeys(projs, 0)
+            last: dict[str, Any] = {"input": None, "h": None}  # q/k/v (gate/up) read one tensor: x^T x once
 
-            def collect(name, sums=sums, counts=counts):
+            def collect(name, sums=sums, counts=counts, last=last):
                 def hook(_mod, args):
-                    x = fake_quant_tokens(args[0]).reshape(-1, args[0].shape[-1]).double()
-                    h = x.T @ x
+                    if args[0] is not last["input"]:
+                        x = fake_quant_tokens(args[0]).reshape(-1, args[0].shape[-1]).double()
+                        last["input"], last["h"] = args[0], x.T @ x
+                    h = last["h"]
                     sums[name] = h if sums[name] is None else sums[name] + h
-                    counts[name] += x.shape[0]
+                    counts[name] += args[0].reshape(-1, args[0].shape[-1]).shape[0]
                 return hook
 
             hooks = [m.register_forward_pre_hook(collect(n)) for n, m in projs.items()]
@@ -165,6 +177,7 @@ def quantize_fp8_gptq(
             finally:
                 for h in hooks:
                     h.remove()
+                last.clear()
             for n, m in projs.items():
                 q, scale = gptq_fp8(m.weight.data, sums[n] / max(1, counts[n]), config)
                 m.weight.data = (q.float() * scale).to(m.weight.dtype)
@@ -191,9 +204,19 @@ def _run_layer(layer: torch.nn.Module, inputs: list[tuple[tuple, dict]], keep: b
     return nxt
 
 
-def write_checkpoint(src: Path, dst: Path, model: Any, rounded: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def kept_projections(model: Any, keep: Sequence[str]) -> list[str]:
+    """The decoder projections of `model` that the patterns `keep` leave in 16-bit, by module name."""
+    layers = _decoder_layers(model)
+    prefix = {id(m): n for n, m in model.named_modules()}
+    return [f"{prefix[id(layer)]}.{n}" for layer in layers for n in _projections(layer)
+            if module_kept(f"{prefix[id(layer)]}.{n}", keep)]
+
+
+def write_checkpoint(src: Path, dst: Path, model: Any, rounded: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                     kept: Sequence[str] = ()) -> None:
     """dst: src's files (config, tokenizer) with the weights of `model`, its rounded projections in
-    float8_e4m3fn with their weight_scale, and config.json's compressed-tensors quantization_config."""
+    float8_e4m3fn with their weight_scale, and config.json's compressed-tensors quantization_config,
+    whose `ignore` lists lm_head and the projections `kept` in 16-bit (by full module name)."""
     from safetensors.torch import save_file
 
     if dst.exists() and any(dst.iterdir()):
@@ -227,25 +250,30 @@ def write_checkpoint(src: Path, dst: Path, model: Any, rounded: dict[str, tuple[
             "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
             "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
         }},
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *kept],
         "batchinfer": {"rounding": "gptq", "act_order": True},
     }
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def quantize_checkpoint(src: Path, dst: Path, calibration: Sequence[Sequence[int]], device: str = "cpu",
-                        config: GptqConfig = GptqConfig(), progress: Callable[[int, int], None] | None = None) -> QuantizeReport:
+                        config: GptqConfig = GptqConfig(), progress: Callable[[int, int], None] | None = None,
+                        keep: Sequence[str] = ()) -> QuantizeReport:
     """Load src (a Hugging Face folder), round its projections with GPTQ on `calibration` (token id
-    lists), write the FP8 checkpoint to dst."""
+    lists), write the FP8 checkpoint to dst. keep: patterns of projections left in 16-bit."""
     from transformers import AutoModelForCausalLM
 
     if not calibration:
         raise ValueError("no calibration text: give at least one row")
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).to(device).eval()
-    rounded = quantize_fp8_gptq(model, calibration, config, progress)
-    write_checkpoint(src, dst, model, rounded)
-    return QuantizeReport(len(_decoder_layers(model)), len(rounded), sum(len(c) for c in calibration), time.perf_counter() - t)
+    kept = kept_projections(model, keep)
+    if keep and not kept:
+        raise ValueError(f"keep: {', '.join(keep)} matches no decoder projection of {src}")
+    rounded = quantize_fp8_gptq(model, calibration, config, progress, keep)
+    write_checkpoint(src, dst, model, rounded, kept)
+    return QuantizeReport(len(_decoder_layers(model)), len(rounded), sum(len(c) for c in calibration),
+                          time.perf_counter() - t, len(kept))
 
 
 def calibration_ids(path: Path, tokenizer: Any, field: str = "text", samples: int = 64, max_tokens: int = 512,

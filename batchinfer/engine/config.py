@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from batchinfer.engine.speculative import SpeculativeConfig
+from batchinfer.models.quant import check_keep_patterns
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,12 @@ class EngineConfig:
         activation scales at every call (models/quant.py; FP8 tensor cores on a GPU of compute
         capability >= 8.9 in bfloat16, the same math dequantised elsewhere). A checkpoint already in
         FP8 (config.json quantization_config) runs as it is stored, whatever this says.
+    fp8_keep: with quantization fp8, the projections left in the model's dtype (16-bit weights and
+        inputs), by checkpoint module name or pattern (models/quant.py module_kept): "o_proj" (every
+        layer's), "layers.0" (all of layer 0), "model.layers.29.mlp.down_proj", "re:REGEX" (from the
+        start of the name). q/k/v and gate/up are fused matmuls: keep all of them or none. A
+        checkpoint's own list of unquantised modules (compressed-tensors `ignore`, fp8's
+        `modules_to_not_convert`) is kept too.
     device: auto | cpu | cuda | cuda:N.
     max_model_len: longest prompt + output; None means the model's max_position_embeddings.
     max_num_seqs: cap on sequences running at once.
@@ -80,6 +87,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     quantization: str = "none"
+    fp8_keep: tuple[str, ...] = ()
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -118,6 +126,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
         if self.quantization not in ("none", "fp8"):
             raise ValueError(f"quantization must be none or fp8, not {self.quantization!r}")
+        if isinstance(self.fp8_keep, str) or not isinstance(self.fp8_keep, (list, tuple)):
+            raise ValueError(f"fp8_keep must be a list of module names or patterns, not {self.fp8_keep!r}")  # noqa: TRY004 (config errors are ValueErrors)
+        object.__setattr__(self, "fp8_keep", tuple(self.fp8_keep))
+        check_keep_patterns(self.fp8_keep, "fp8_keep")
+        if self.fp8_keep and self.quantization != "fp8":
+            raise ValueError("fp8_keep names projections kept in 16-bit under quantization fp8; quantization is none")
         if self.load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be safetensors or random, not {self.load_format!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):

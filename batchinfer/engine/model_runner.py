@@ -135,14 +135,14 @@ class ModelRunner:
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # process-wide: see EngineConfig.torch_threads
         self.block_size = config.block_size
-        shape = load_model_info(config.model, config.dtype, self.device, config.quantization)
+        shape = load_model_info(config.model, config.dtype, self.device, config.quantization, config.fp8_keep)
         fixed_scale = 1.0 if config.kv_cache_scale == "auto" else float(config.kv_cache_scale)
         self.attention = get_attention_backend(
             config.attention_backend, self.device, shape.num_heads // shape.num_kv_heads, kv_scale=fixed_scale
         )
         self.model, self.info = load_model(
             config.model, config.dtype, self.device, self.attention, load_format=config.load_format,
-            quantization=config.quantization,
+            quantization=config.quantization, fp8_keep=config.fp8_keep,
         )
         t = self._span("model_load", t)
         max_pos = self.info.max_position_embeddings

@@ -115,7 +115,8 @@ def fingerprint_components(spec: JobSpec, model_dir: Path) -> dict[str, Any]:
             structured["max_string_length"] = c.max_string_length
     return {
         "model": {"files": model_components(model_dir), "dtype": spec.model.dtype, "max_model_len": spec.model.max_model_len,
-                  **({"quantization": spec.model.quantization} if spec.model.quantization != "none" else {})},
+                  **({"quantization": spec.model.quantization} if spec.model.quantization != "none" else {}),
+                  **({"fp8_keep": list(spec.model.fp8_keep)} if spec.model.fp8_keep else {})},
         "prompt": _without(spec.prompt.model_dump(mode="json"), {"messages": None}),
         "sampling": _without(spec.sampling.model_dump(mode="json"), {"n": 1, "logprobs": None}),
         "structured": structured,

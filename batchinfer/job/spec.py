@@ -52,6 +52,11 @@ class ModelSpec(BaseModel):
         "none", description="fp8: the decoder layers' projections quantised to FP8 at load (per-channel weight scales, "
         "per-token activation scales); an FP8 checkpoint (quantization_config) runs as stored either way",
     )
+    fp8_keep: tuple[str, ...] = Field(
+        (), description="with quantization fp8: projections left in 16-bit (weights and inputs), by checkpoint module "
+        "name or pattern: o_proj (every layer's), layers.0 (all of layer 0), model.layers.29.mlp.down_proj, re:REGEX; "
+        "q/k/v and gate/up are fused: all or none. A checkpoint's own ignore list is kept too",
+    )
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output; default: the model's")
 
     @field_validator("path")
@@ -238,9 +243,10 @@ class StructuredSpec(BaseModel):
         return Constraint.json_schema(self.schema_dict(), whitespace=self.whitespace, max_string_length=self.max_string_length)
 
 
-# EngineConfig fields a job sets elsewhere: model.path, model.dtype, model.quantization, model.max_model_len,
+# EngineConfig fields a job sets elsewhere: model.path, model.dtype, model.quantization, model.fp8_keep, model.max_model_len,
 # structured.backend.
 ENGINE_FIELDS_ELSEWHERE = {"model": "model.path", "dtype": "model.dtype", "quantization": "model.quantization",
+                           "fp8_keep": "model.fp8_keep",
                            "max_model_len": "model.max_model_len", "grammar_backend": "structured.backend"}
 
 
@@ -344,7 +350,7 @@ class JobSpec(BaseModel):
         fields = self.engine.model_dump(exclude={"data_parallel"})
         return EngineConfig(
             model=self.model.path, dtype=self.model.dtype, quantization=self.model.quantization,
-            max_model_len=self.model.max_model_len, grammar_backend=self.grammar_backend, **fields,
+            fp8_keep=self.model.fp8_keep, max_model_len=self.model.max_model_len, grammar_backend=self.grammar_backend, **fields,
         )
 
 
@@ -353,7 +359,7 @@ def job_json_schema() -> dict[str, Any]:
     schema = JobSpec.model_json_schema()
     # The shorthand `model: path/to/dir` is accepted too.
     props = schema["properties"]
-    props["model"] = {"anyOf": [{"type": "string"}, props["model"]], "description": "model folder, or {path, dtype, quantization, max_model_len}"}
+    props["model"] = {"anyOf": [{"type": "string"}, props["model"]], "description": "model folder, or {path, dtype, quantization, fp8_keep, max_model_len}"}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from batchinfer.attention.base import AttentionBackend, AttentionMetadata
 from batchinfer.kernels import ops
 from batchinfer.models.linear import Linear, linear_weight_bytes, make_linear
-from batchinfer.models.quant import Fp8Activation
+from batchinfer.models.quant import Fp8Activation, module_kept
 from batchinfer.models.rope import RopeConfig, RotaryEmbedding
 
 __all__ = ["Attention", "CausalLM", "DecoderLayer", "Linear", "MLP", "ModelConfig", "RMSNorm"]
@@ -58,6 +58,9 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     quantization: str = "none"  # of the layers' projections: models/linear.py LINEARS
+    # with quantization fp8: projections left in the model's dtype (models/quant.py module_kept
+    # patterns of checkpoint names: model.fp8_keep and the checkpoint's own ignore list)
+    fp8_keep: tuple[str, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -87,13 +90,53 @@ class ModelConfig:
         return [(h, qkv, self.qkv_bias), (self.q_size, h, self.o_bias), (h, 2 * self.intermediate_size, False),
                 (self.intermediate_size, h, False)]
 
+    def projection_quantization(self, layer: int, fused: str) -> str:
+        """The quantization of one fused projection (FUSED: qkv_proj, o_proj, gate_up_proj, down_proj)
+        of decoder layer `layer`: "none" when fp8_keep keeps all its checkpoint modules, else
+        `quantization`. ValueError when it keeps only some of them (they are one matmul here)."""
+        if self.quantization == "none" or not self.fp8_keep:
+            return self.quantization
+        names = [f"model.layers.{layer}.{m}" for m in FUSED[fused]]
+        kept = [n for n in names if module_kept(n, self.fp8_keep)]
+        if kept and len(kept) < len(names):
+            raise ValueError(
+                f"{', '.join(kept)} kept in 16-bit but not {', '.join(n for n in names if n not in kept)}: "
+                f"they are one fused projection ({fused}) here; keep all of them or none"
+            )
+        return "none" if kept else self.quantization
+
+    def projection_names(self) -> list[str]:
+        """Checkpoint module names of every decoder projection (model.layers.N.self_attn.q_proj, ...)."""
+        return [f"model.layers.{i}.{m}" for i in range(self.num_layers) for mods in FUSED.values() for m in mods]
+
+    def kept_projections(self) -> list[str]:
+        """Checkpoint module names of the projections fp8_keep leaves in the model's dtype."""
+        return [f"model.layers.{i}.{m}" for i in range(self.num_layers) for f, mods in FUSED.items()
+                if self.projection_quantization(i, f) != self.quantization for m in mods]
+
+    def kept_params(self) -> int:
+        """Weights of the projections fp8_keep leaves in the model's dtype (their FLOPs run at the 16-bit rate)."""
+        return sum(i * o for li in range(self.num_layers) for f, (i, o, _) in zip(FUSED, self.projections())
+                   if self.projection_quantization(li, f) != self.quantization)
+
     def weight_bytes(self, dtype_bytes: int) -> int:
         """Bytes of all weights in memory: embeddings, LM head and norms in the model's dtype, the
-        projections as `quantization` stores them (FP8: 1 byte a weight plus a float32 scale a row)."""
-        proj = sum(linear_weight_bytes(self.quantization, i, o, b, dtype_bytes) for i, o, b in self.projections())
+        projections as `quantization` stores them (FP8: 1 byte a weight plus a float32 scale a row;
+        those fp8_keep keeps in the model's dtype)."""
+        proj = sum(linear_weight_bytes(self.projection_quantization(li, f), i, o, b, dtype_bytes)
+                   for li in range(self.num_layers) for f, (i, o, b) in zip(FUSED, self.projections()))
         proj_params = sum(i * o + (o if b else 0) for i, o, b in self.projections())
         rest = (self.num_params() - self.num_layers * proj_params) * dtype_bytes
-        return rest + self.num_layers * proj
+        return rest + proj
+
+
+# our fused projections -> the checkpoint modules each holds (in the order of projections())
+FUSED = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -145,12 +188,13 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Fused qkv projection, optional per-head q/k norm, rotary, paged attention, output projection."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype,
+                 layer: int = 0):
         super().__init__()
         self.cfg = cfg
-        q = cfg.quantization
-        self.qkv_proj = make_linear(q, cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, dtype)
-        self.o_proj = make_linear(q, cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype)
+        q = cfg.projection_quantization
+        self.qkv_proj = make_linear(q(layer, "qkv_proj"), cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, dtype)
+        self.o_proj = make_linear(q(layer, "o_proj"), cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
@@ -192,11 +236,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU with gate and up fused into one matmul: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
-        q = cfg.quantization
-        self.gate_up_proj = make_linear(q, cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
-        self.down_proj = make_linear(q, cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        q = cfg.projection_quantization
+        self.gate_up_proj = make_linear(q(layer, "gate_up_proj"), cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
+        self.down_proj = make_linear(q(layer, "down_proj"), cfg.intermediate_size, cfg.hidden_size, False, dtype)
         # the activation written in the format down_proj takes (models/linear.py input_format)
         self._act = {"dtype": self._act_dtype, "fp8": self._act_fp8}[self.down_proj.input_format]
 
@@ -218,9 +262,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; the residual stream is carried separately (fused add+norm)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype,
+                 layer: int = 0):
         super().__init__()
-        attn, mlp = Attention(cfg, rotary, backend, dtype), MLP(cfg, dtype)
+        # layer: this layer's index, which says which projections cfg.fp8_keep keeps in the model's dtype
+        attn, mlp = Attention(cfg, rotary, backend, dtype, layer), MLP(cfg, dtype, layer)
         # each norm writes the input format of the projection it feeds (models/linear.py input_format)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, attn.qkv_proj.input_format)
         self.self_attn = attn
@@ -246,7 +292,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
 

@@ -22,7 +22,14 @@ from batchinfer.attention.base import AttentionBackend
 from batchinfer.models import ARCHITECTURES
 from batchinfer.models.layers import CausalLM, ModelConfig
 from batchinfer.models.linear import Fp8Linear
-from batchinfer.models.quant import FP8_DTYPE, QUANTIZATIONS, checkpoint_quantization
+from batchinfer.models.quant import (
+    FP8_DTYPE,
+    QUANTIZATIONS,
+    check_keep_patterns,
+    checkpoint_keep,
+    checkpoint_quantization,
+    module_kept,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,8 @@ class ModelInfo:
     num_params: int
     num_layer_params: int = 0  # decoder layers only (no embeddings / LM head): FLOPs per token
     quantization: str = "none"  # of the decoder layers' projections: none | fp8 (models/linear.py)
+    fp8_kept: tuple[str, ...] = ()  # with fp8: the checkpoint modules kept in the model's dtype
+    fp8_kept_params: int = 0  # their weights (of num_layer_params)
     weight_bytes: int = 0  # all weights as held in memory (FP8 projections: 1 byte a weight + scales)
 
 
@@ -143,7 +152,18 @@ def resolve_quantization(quantization: str, hf: dict, model_dir: Path) -> str:
     return stored or quantization
 
 
-def _model_config(model_dir: Path, hf: dict, quantization: str = "none") -> ModelConfig:
+def resolve_keep(fp8_keep: tuple[str, ...] | list[str], hf: dict, model_dir: Path) -> tuple[str, ...]:
+    """The patterns of projections kept in the model's dtype under FP8: model.fp8_keep and the
+    checkpoint's own list of unquantised modules (models/quant.py checkpoint_keep)."""
+    try:
+        check_keep_patterns(fp8_keep, "model.fp8_keep")
+        stored = checkpoint_keep(hf)
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from exc
+    return (*fp8_keep, *(p for p in stored if p not in fp8_keep))
+
+
+def _model_config(model_dir: Path, hf: dict, quantization: str = "none", fp8_keep: tuple[str, ...] = ()) -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
@@ -152,11 +172,19 @@ def _model_config(model_dir: Path, hf: dict, quantization: str = "none") -> Mode
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     quant = resolve_quantization(quantization, hf, model_dir)
+    keep = resolve_keep(fp8_keep, hf, model_dir) if quant == "fp8" else ()
     try:
-        cfg = ARCHITECTURES[arch](hf)
+        cfg = replace(ARCHITECTURES[arch](hf), quantization=quant, fp8_keep=keep)
+        kept = cfg.kept_projections()
     except ValueError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from exc
-    return replace(cfg, quantization=quant)
+    for p in fp8_keep:  # a pattern of the user's that keeps nothing is a typo (the checkpoint's may name lm_head)
+        if quant == "fp8" and not any(module_kept(n, (p,)) for n in cfg.projection_names()):
+            raise ModelLoadError(f"{model_dir}: model.fp8_keep {p!r} matches no decoder projection "
+                                 f"(names such as model.layers.0.self_attn.o_proj; patterns o_proj, layers.0, re:...)")
+    if kept:
+        log.info("FP8: %d of %d projections kept in the model's dtype (%s)", len(kept), 7 * cfg.num_layers, ", ".join(keep))
+    return cfg
 
 
 def _read_configs(model: str) -> tuple[Path, dict, dict]:
@@ -184,16 +212,19 @@ def _info(model_dir: Path, hf: dict, gen: dict, cfg: ModelConfig, dtype: torch.d
         num_params=cfg.num_params(),
         num_layer_params=cfg.num_layer_params(),
         quantization=cfg.quantization,
+        fp8_kept=tuple(cfg.kept_projections()),
+        fp8_kept_params=cfg.kept_params(),
         weight_bytes=cfg.weight_bytes(dtype.itemsize),
     )
 
 
 def load_model_info(
-    model: str, dtype: str = "auto", device: torch.device | str = "cpu", quantization: str = "none"
+    model: str, dtype: str = "auto", device: torch.device | str = "cpu", quantization: str = "none",
+    fp8_keep: tuple[str, ...] = (),
 ) -> ModelInfo:
     """Everything about the model that its config files tell, without reading weights."""
     model_dir, hf, gen = _read_configs(model)
-    cfg = _model_config(model_dir, hf, quantization)
+    cfg = _model_config(model_dir, hf, quantization, fp8_keep)
     return _info(model_dir, hf, gen, cfg, resolve_dtype(dtype, device, hf))
 
 
@@ -264,8 +295,9 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
                 tensor = f.get_tensor(name)
                 if tensor.dtype == FP8_DTYPE:
                     if not isinstance(dest, Fp8Linear):
-                        why = ("only the decoder layers' projections can be FP8" if model.config.quantization == "fp8"
-                               else "config.json has no FP8 quantization_config")
+                        why = ("config.json has no FP8 quantization_config" if model.config.quantization != "fp8"
+                               else "only the decoder layers' projections can be FP8" if not isinstance(dest, nn.Module)
+                               else "model.fp8_keep or the quantization_config's ignore list keeps it in 16-bit")
                         raise ModelLoadError(f"{path.name}: tensor {name} is FP8 but {why}")
                     dest.load_fp8_rows(start, tensor)
                     needs_scale.add(name)
@@ -318,15 +350,17 @@ def load_model(
     attention: AttentionBackend,
     load_format: str = "safetensors",
     quantization: str = "none",
+    fp8_keep: tuple[str, ...] = (),
 ) -> tuple[CausalLM, ModelInfo]:
     """Build our model for `model` (folder or cached hub id) on `device`.
 
     load_format "safetensors" reads the checkpoint; "random" fills the config's shapes with random
     weights (benchmarks without a download; the folder needs no weight files). quantization fp8:
-    the decoder layers' projections in FP8 (resolve_quantization).
+    the decoder layers' projections in FP8 (resolve_quantization), but those fp8_keep names and
+    those the checkpoint's quantization_config leaves unquantised (resolve_keep).
     """
     model_dir, hf, gen = _read_configs(model)
-    cfg = _model_config(model_dir, hf, quantization)
+    cfg = _model_config(model_dir, hf, quantization, fp8_keep)
     torch_dtype = resolve_dtype(dtype, device, hf)
     with torch.device(device):
         net = CausalLM(cfg, attention, torch_dtype)

@@ -20,11 +20,16 @@ Two matrix-product backends compute exactly that, by name (FP8_MATMULS):
 
 Checkpoints already in FP8 (config.json quantization_config): `checkpoint_quantization` reads the
 common formats (quant_method "fp8", and compressed-tensors float8 with tensor or channel weight
-scales) and refuses every other one with a message naming the field.
+scales) and refuses every other one with a message naming the field; `checkpoint_keep` reads the
+modules such a checkpoint leaves unquantised (compressed-tensors `ignore`; quant_method fp8's
+`modules_to_not_convert` or `ignored_layers`), which the engine then runs in the model's dtype.
+`module_kept` is the one rule that matches those names and model.fp8_keep's patterns.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,6 +77,32 @@ class Fp8Activation:
         """Quantise an activation in the model's dtype (quantize_tokens)."""
         q, scale = quantize_tokens(x)
         return cls(q, scale, x.dtype)
+
+
+def module_kept(name: str, patterns: Sequence[str]) -> bool:
+    """Whether the module `name` (a checkpoint name, e.g. model.layers.0.self_attn.o_proj) is kept
+    in 16-bit by one of `patterns`: "re:REGEX" matches from the start of the name (compressed-tensors'
+    `ignore` rule); any other pattern matches a whole run of the name's dotted parts, so "o_proj"
+    keeps every o projection, "layers.0" all of layer 0 and a full name just that module."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif f".{p}." in f".{name}.":
+            return True
+    return False
+
+
+def check_keep_patterns(patterns: Sequence[str], field: str) -> None:
+    """ValueError naming `field` for a pattern that is empty, not a string, or a bad "re:" regex."""
+    for p in patterns:
+        if not isinstance(p, str) or not p.strip(". ") or p == "re:":
+            raise ValueError(f"{field}: {p!r} is not a module name or pattern")
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as exc:
+                raise ValueError(f"{field}: {p!r} is not a valid regular expression ({exc})") from None
 
 
 # --- the matrix products -----------------------------------------------------------------------
@@ -153,6 +184,28 @@ def checkpoint_quantization(hf: dict) -> str | None:
         f"config.json: quantization_config.quant_method {method!r} is not supported "
         "(FP8 checkpoints are: quant_method fp8, or compressed-tensors float8)"
     )
+
+
+# the quantization_config keys that list modules left unquantised, by quant_method
+KEEP_KEYS = {"compressed-tensors": ("ignore",), "fp8": ("modules_to_not_convert", "ignored_layers")}
+
+
+def checkpoint_keep(hf: dict) -> tuple[str, ...]:
+    """The module patterns (module_kept) a quantised checkpoint's quantization_config leaves
+    unquantised; () for none. ValueError naming the field when one is not a list of strings."""
+    qc = hf.get("quantization_config")
+    if not isinstance(qc, dict):
+        return ()
+    out: list[str] = []
+    for key in KEEP_KEYS.get(qc.get("quant_method"), ()):
+        value = qc.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"config.json: quantization_config.{key} must be a list of module names")
+        check_keep_patterns(value, f"config.json: quantization_config.{key}")
+        out += [v for v in value if v not in out]
+    return tuple(out)
 
 
 def _check_compressed_tensors(qc: dict) -> None:

@@ -118,22 +118,6 @@ def test_settle_drafts_keeps_the_longest_matching_prefix(rows):
     assert (counts.rows, counts.verified, counts.accepted) == (sum(1 for d, _ in rows if d), sum(map(len, (d for d, _ in rows))), accepted)
 
 
-@given(st.lists(st.tuples(st.lists(token, min_size=1, max_size=4), token, st.booleans()), min_size=1, max_size=8))
-@settings(max_examples=100, deadline=None)
-def test_settle_drafts_accepts_whole_drafts(rows):
-    """Drafts the draws confirm in full (settle_drafts compares them at once) keep every draft plus
-    the draw after them; the others stop at their first differing draft."""
-    p = SamplingParams(max_tokens=50)
-    seqs = [make_seq(4, [1, 2], p, draft=d) for d, _, _ in rows]
-    widths = [1 + len(d) for d, _, _ in rows]
-    outs = [d + [bonus] if whole else [(d[0] + 1) % 13] + d[1:] + [bonus] for d, bonus, whole in rows]
-    counts = SpecCounts()
-    emitted, _ = settle_drafts(seqs, widths, [t for out in outs for t in out], counts, {})
-    assert emitted == [out if whole else out[:1] for out, (_, _, whole) in zip(outs, rows)]
-    assert counts.accepted == sum(len(d) for d, _, whole in rows if whole)
-    assert all(seq.num_draft == 0 and seq.token_ids[-2:] == [1, 2] for seq in seqs)
-
-
 # --- the engine: token-identical where drafts cross a stop --------------------------------------------
 
 

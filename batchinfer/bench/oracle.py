@@ -18,15 +18,16 @@ def oracle_drafter(truth: Mapping[str, Seq[int]], corrupt: float, vocab_size: in
     """A Drafter whose drafts are each request's recorded output from where its sequence is now."""
     if not 0.0 <= corrupt <= 1.0:
         raise ValueError(f"--oracle-corrupt must be in [0, 1], got {corrupt}")
-    draw, empty, others = random.Random(seed).random, (), vocab_size - 1
+    rng = random.Random(seed)
+    draw, pick, empty = rng.random, rng.randrange, ()
 
     def draft(seq, k: int) -> list[int]:
-        done = len(seq.token_ids) - seq.num_prompt_tokens  # num_generated, without the property call
+        done = seq.num_generated
         out = list(truth.get(seq.request.request_id, empty)[done : done + k])
         if corrupt:
             for j, t in enumerate(out):
-                if draw() < corrupt:  # another token, uniform over the vocab_size - 1 others
-                    out[j] = (t + 1 + int(draw() * others)) % vocab_size
+                if draw() < corrupt:
+                    out[j] = (t + 1 + pick(vocab_size - 1)) % vocab_size
         return out
 
     return draft

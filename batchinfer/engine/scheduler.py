@@ -170,12 +170,11 @@ class Scheduler:
         Sequences that finished meanwhile (overlap: their row in this step is wasted work) are skipped.
         Call it only when every token this step computes is known on the host (block hashes read them).
         """
-        share, bs, running = self.config.enable_prefix_sharing, self.block_size, SequenceStatus.RUNNING
         for seq, n in zip(step.seqs, step.num_tokens):
-            if seq.status is not running:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += n
-            if share and seq.num_computed_tokens // bs > seq.num_registered_blocks:  # a block filled
+            if self.config.enable_prefix_sharing:
                 self._register_full_blocks(seq)
 
     # --- helpers --------------------------------------------------------------------------

@@ -259,16 +259,7 @@ class Speculator:
             if seq.spec is None:
                 seq.spec = SpecState.new(n)
             m = seq.matcher
-            if m is None:  # the common case: no grammar, so no plan
-                more = seq.spec.length.length(room, cfg.accept_threshold, cfg.probe_interval) if cfg.adaptive else room
-                draft = self._more_drafts(seq, (), more) if more > 0 and more_source else ()
-                if draft:
-                    seq.token_ids.extend(draft)
-                    seq.num_draft = len(draft)
-                    budget -= len(draft)
-                    drafted += len(draft)
-                continue
-            draft, text = self._grammar_draft(m, room) if grammar else ([], 0)
+            draft, text = self._grammar_draft(m, room) if m is not None and grammar else ([], 0)
             forced = len(draft) - text
             more = room - len(draft)
             if cfg.adaptive and more > 0:
@@ -278,10 +269,11 @@ class Speculator:
             if not draft:
                 continue
             drafted += len(draft)
-            counts.forced_drafted += forced
-            counts.text_drafted += text
-            plan = plans[id(seq)] = _Plan(seq, forced=forced, text=text)
-            draft, plan.masks = self._grammar_cut(m, draft)
+            if m is not None:
+                counts.forced_drafted += forced
+                counts.text_drafted += text
+                plan = plans[id(seq)] = _Plan(seq, forced=forced, text=text)
+                draft, plan.masks = self._grammar_cut(m, draft)
             if draft:
                 seq.token_ids.extend(draft)
                 seq.num_draft = len(draft)
@@ -298,23 +290,18 @@ class Speculator:
         more = [t for t in self.forced_text.extend(m, draft, room - len(draft)) if 0 <= t < vocab]
         return draft + more, len(more)
 
-    def _more_drafts(self, seq: Sequence, draft: Seq[int], k: int) -> list[int]:
-        """Up to k drafts after `draft` from the drafter, else by n-gram lookup (token ids outside
-        the vocabulary dropped)."""
+    def _more_drafts(self, seq: Sequence, draft: list[int], k: int) -> list[int]:
+        """Up to k drafts after `draft` from the drafter, else by n-gram lookup."""
         if self.drafter is not None:
-            more = self.drafter(seq, len(draft) + k)
-            more = list(more[len(draft) : len(draft) + k])  # after the grammar's
+            more = list(self.drafter(seq, len(draft) + k))[len(draft):]  # after the grammar's
         else:
             tokens, keys = seq.spec.tokens(seq.token_ids, self.key_of)
             if draft:
                 extra = np.asarray(draft, dtype=np.int64)
                 tokens, keys = np.concatenate([tokens, extra]), np.concatenate([keys, self.key_of[extra]])
             more = ngram_draft(tokens, self.config.ngram_sizes, k, keys).tolist()
-            more = more[:k]
-        if more and (min(more) < 0 or max(more) >= self.vocab_size):
-            vocab = self.vocab_size
-            more = [t for t in more if 0 <= t < vocab]
-        return more
+        vocab = self.vocab_size
+        return [t for t in more[:k] if 0 <= t < vocab][:k]
 
     def _grammar_cut(self, m: Any, draft: list[int]) -> tuple[list[int], torch.Tensor]:
         """Cut the draft at its first token the grammar forbids; masks of the k+1 positions."""
@@ -345,12 +332,9 @@ class Speculator:
         plans = self.propose(engine, counts)
         engine._phase("draft")
         step = engine.scheduler.schedule()
-        # without a preemption step.seqs are running sequences (admitted ones join `running`), so as
-        # many as run means every running sequence is scheduled
-        running = engine.scheduler.running
-        if counts.drafted and (step.preempted or len(step.seqs) != len(running)):
+        if counts.drafted:
             scheduled = set(step.seqs)
-            for seq in running:  # drafts of sequences the step does not run
+            for seq in engine.scheduler.running:  # drafts of sequences the step does not run
                 if seq.num_draft and seq not in scheduled:
                     seq.drop_drafts()
         engine._phase("schedule")
@@ -407,14 +391,11 @@ class Speculator:
         engine._appended += sum(appended)
         # tokens appended (a sequence that ends mid-draft, e.g. at an EOS the grammar forced, takes
         # no token after its last)
-        appended_np = np.asarray(appended, dtype=np.int64)
-        counts.emitted += int(appended_np[np.asarray(decoding, dtype=bool)].sum())
+        counts.emitted += sum(n for n, d in zip(appended, decoding) if d)
         # KV is valid for the last input token and the accepted drafts: that is what was computed
-        verified = widths > 1
-        if verified.any():
-            num_tokens = np.asarray(step.num_tokens, dtype=np.int64)
-            num_tokens[np.flatnonzero(np.asarray(step.samples, dtype=bool))[verified]] = appended_np[verified]
-            step.num_tokens = num_tokens.tolist()
+        for i, idx in enumerate(np.flatnonzero(np.asarray(step.samples, dtype=bool)).tolist()):
+            if width_list[i] > 1:
+                step.num_tokens[idx] = appended[i]
         engine.scheduler.complete_step(step)
         return results
 

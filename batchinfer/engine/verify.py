@@ -34,8 +34,7 @@ def row_starts(widths: np.ndarray) -> np.ndarray:
 
 def generated_before(sampling: list[Sequence]) -> np.ndarray:
     """Tokens each sequence had generated before this step's drafts (its first row's position)."""
-    return np.fromiter((len(s.token_ids) - s.num_prompt_tokens - s.num_draft for s in sampling), dtype=np.int64,
-                       count=len(sampling))
+    return np.fromiter((s.num_generated - s.num_draft for s in sampling), dtype=np.int64, count=len(sampling))
 
 
 def row_steps(first: np.ndarray, widths: np.ndarray) -> np.ndarray:
@@ -75,17 +74,13 @@ def settle_drafts(sampling: list[Sequence], widths: list[int], tokens: list[int]
             emitted.append(out)
             continue
         k = w - 1
-        base = len(ids) - k
-        if ids[base:] == out[:k]:  # every draft accepted: one C-level compare
-            a = k
-        else:
-            a = 0
-            while ids[base + a] == out[a]:  # stops before k: some draft differs
-                a += 1
+        base, a = len(ids) - k, 0
+        while a < k and ids[base + a] == out[a]:
+            a += 1
         seq.drop_drafts()
         emitted.append(out[: a + 1])
         rows, verified, accepted = rows + 1, verified + k, accepted + a
-        plan = plans.get(id(seq)) if plans else None
+        plan = plans.get(id(seq))
         grammar = count_grammar_part(counts, plan, k, a) if plan is not None and (plan.forced or plan.text) else 0
         if seq.spec is not None and a >= grammar:  # the n-gram part was reached: measure it
             seq.spec.length.update(k - grammar, a - grammar)

@@ -68,7 +68,7 @@ class StepCost:
         fp8 = info.quantization == "fp8"
         rate = ceilings.matmul_flops_per_s
         layer_rate = (ceilings.fp8_matmul_flops_per_s or 2 * rate) if fp8 else rate
-        kept = getattr(info, "fp8_kept_params", 0) / max(1, info.num_layer_params) if fp8 else 0.0
+        kept = info.fp8_kept_params / max(1, info.num_layer_params) if fp8 else 0.0
         if kept:  # projections kept 16-bit (model.fp8_keep) run at the 16-bit rate: the blended rate
             layer_rate = 1.0 / ((1.0 - kept) / layer_rate + kept / rate)
         kv = 2 * info.num_layers * info.num_kv_heads * info.head_dim * kv_dtype_bytes

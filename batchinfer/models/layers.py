@@ -107,24 +107,29 @@ class ModelConfig:
 
     def projection_names(self) -> list[str]:
         """Checkpoint module names of every decoder projection (model.layers.N.self_attn.q_proj, ...)."""
-        return [f"model.layers.{i}.{m}" for i in range(self.num_layers) for mods in FUSED.values() for m in mods]
+        return [name for _, names, _, _ in self._layer_projections() for name in names]
 
     def kept_projections(self) -> list[str]:
         """Checkpoint module names of the projections fp8_keep leaves in the model's dtype."""
-        return [f"model.layers.{i}.{m}" for i in range(self.num_layers) for f, mods in FUSED.items()
-                if self.projection_quantization(i, f) != self.quantization for m in mods]
+        return [name for _, names, _, q in self._layer_projections() if q != self.quantization for name in names]
 
     def kept_params(self) -> int:
         """Weights of the projections fp8_keep leaves in the model's dtype (their FLOPs run at the 16-bit rate)."""
-        return sum(i * o for li in range(self.num_layers) for f, (i, o, _) in zip(FUSED, self.projections())
-                   if self.projection_quantization(li, f) != self.quantization)
+        return sum(i * o for _, _, (i, o, _), q in self._layer_projections() if q != self.quantization)
+
+    def _layer_projections(self):
+        """(layer, checkpoint module names, (in, out, bias), quantization) of every fused projection
+        of every decoder layer, in the order of projections()."""
+        for layer in range(self.num_layers):
+            for fused, shape in zip(FUSED, self.projections()):
+                names = [f"model.layers.{layer}.{m}" for m in FUSED[fused]]
+                yield layer, names, shape, self.projection_quantization(layer, fused)
 
     def weight_bytes(self, dtype_bytes: int) -> int:
         """Bytes of all weights in memory: embeddings, LM head and norms in the model's dtype, the
         projections as `quantization` stores them (FP8: 1 byte a weight plus a float32 scale a row;
         those fp8_keep keeps in the model's dtype)."""
-        proj = sum(linear_weight_bytes(self.projection_quantization(li, f), i, o, b, dtype_bytes)
-                   for li in range(self.num_layers) for f, (i, o, b) in zip(FUSED, self.projections()))
+        proj = sum(linear_weight_bytes(q, i, o, b, dtype_bytes) for _, _, (i, o, b), q in self._layer_projections())
         proj_params = sum(i * o + (o if b else 0) for i, o, b in self.projections())
         rest = (self.num_params() - self.num_layers * proj_params) * dtype_bytes
         return rest + proj

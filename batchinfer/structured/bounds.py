@@ -35,7 +35,7 @@ NUM_INT_LIMIT = 10**17 - 1
 DEC_LIMIT = 10**11
 FRACTION_DIGITS = 6
 ANY = "__batchinfer_bounded_any"
-BOUNDS_VERSION = "bounds-1"  # part of the grammar disk cache key: change it when the rewrite changes
+BOUNDS_VERSION = "bounds-2"  # part of the grammar disk cache key: change it when the rewrite changes
 
 # outlines-core's regex pieces (outlines_core.json_schema.INTEGER / NUMBER) and bounded replacements
 OUTLINES_INTEGER = r"(-)?(0|[1-9][0-9]*)"
@@ -53,6 +53,18 @@ _SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _f64_inward(v: Any, up: bool) -> Any:
+    """An integer bound moved inward (up: towards +inf) to the nearest integer a float64 holds exactly.
+    Backends read bounds as float64 (llguidance does), where 10^18 - 1 becomes 10^18 and lets a 19-digit
+    number through; narrowing a bound past 2^53 by the float's spacing only narrows what is accepted."""
+    if not isinstance(v, int) or isinstance(v, bool) or int(float(v)) == v:
+        return v
+    f = float(v)
+    if (int(f) < v) == up:  # rounded outward: take the next float inward
+        f = math.nextafter(f, math.inf if up else -math.inf)
+    return int(f)
 
 
 def _band(node: dict[str, Any], kind: str, limit: float, multiple: Any = None) -> dict[str, Any] | None:
@@ -82,6 +94,10 @@ def _band(node: dict[str, Any], kind: str, limit: float, multiple: Any = None) -
             out["exclusiveMaximum"] = True
     else:
         out["maximum"] = limit
+    if kind == "integer":
+        for key, up in (("minimum", True), ("exclusiveMinimum", True), ("maximum", False), ("exclusiveMaximum", False)):
+            if key in out:
+                out[key] = _f64_inward(out[key], up)
     low = out.get("minimum", out.get("exclusiveMinimum"))
     high = out.get("maximum", out.get("exclusiveMaximum"))
     if _num(low) and _num(high) and (low > high or (low == high and ("exclusiveMinimum" in out or "exclusiveMaximum" in out))):

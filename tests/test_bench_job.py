@@ -72,7 +72,8 @@ def test_bench_job_end_to_end_on_the_tiny_model(tiny_model, tmp_path):
     # the same prompts went to the engine alone as to the run
     assert n["engine_alone"]["prompt_tokens"] == n["run"]["prompt_tokens"]
     s, t = n["breakdown"]["startup"], n["breakdown"]["teardown"]
-    for key in ("imports", "model_load", "input_scan_and_id_check", "tokenizer_load", "grammar_compile", "first_step_at"):
+    for key in ("imports", "engine_before_model_load", "model_load", "input_scan_and_id_check", "tokenizer_load",
+                "grammar_compile", "first_step_at"):
         assert s[key] is not None and s[key] >= 0, key
     for key in ("generation", "report_writing", "exit"):
         assert t[key] is not None and t[key] >= 0, key

@@ -100,3 +100,28 @@ def test_torch_threads_is_applied_and_validated(tiny_model):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("prompt_len, expected_first", [(100, 8), (5, 52)])
+def test_requests_are_taken_as_the_next_step_needs_them(tiny_model, prompt_len, expected_first):
+    """generate() takes, before its first step, max_num_seqs // 8 requests and then only what that
+    step can admit (its token budget, its free slots), not the whole 2 x max_num_seqs queue; every
+    request still finishes once, and the queue still fills up to 2 x max_num_seqs."""
+    from batchinfer.engine import Engine, EngineConfig, Request, SamplingParams
+
+    taken: list[int] = []
+    at_step: list[int] = []
+    waiting: list[int] = []
+    engine = Engine(EngineConfig(model=str(tiny_model), dtype="float32", device="cpu", num_kv_blocks=2048,
+                                 max_num_seqs=64, max_num_batched_tokens=256),
+                    on_step=lambda s: at_step.append(len(taken)) or waiting.append(s.num_waiting))
+
+    def requests():
+        for i in range(300):
+            taken.append(i)
+            yield Request(f"r{i}", [1 + (i + j) % 50 for j in range(prompt_len)], SamplingParams(max_tokens=3))
+
+    results = list(engine.generate(requests()))
+    assert sorted(r.request_id for r in results) == sorted(f"r{i}" for i in range(300))
+    assert at_step[0] == expected_first
+    assert max(waiting) <= 2 * 64 and (prompt_len == 5 or max(waiting) > 64)

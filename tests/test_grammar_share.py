@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchinfer.bench.workloads import DOCS_SCHEMA
 from batchinfer.engine import Engine, EngineConfig, Request, SamplingParams
@@ -23,6 +25,7 @@ from batchinfer.engine.grammar import GrammarState
 from batchinfer.engine.sequence import Sequence, SequenceStatus
 from batchinfer.structured.base import Constraint
 from batchinfer.structured.bitmask import unpack_bitmask
+from batchinfer.structured.state_keys import plain_leads, vocab_plain_leads
 
 TINY_BODY = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32)
@@ -153,3 +156,10 @@ def test_shared_masks_equal_per_row_masks_on_random_walks(tokenizer):
     assert states[0].rows_copied + states[0].rows_cached > 0
     for state in states:
         state.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=8) | st.sampled_from([b"", b'"', b"\\", b"\xe4\xb8\xad", b"\x80\x80", b"a\x1fb"]), max_size=40))
+def test_vocab_plain_leads_is_plain_leads_of_each_token(tokens):
+    """The whole-vocabulary table (numpy, built once per engine) gives what plain_leads gives per token."""
+    assert vocab_plain_leads(tokens) == [plain_leads(b) for b in tokens]

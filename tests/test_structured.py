@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchinfer.structured.arrow import arrow_type_for_schema, to_arrow_value
 from batchinfer.structured.base import Constraint, GrammarError
@@ -433,3 +435,34 @@ def test_batch_calls_go_to_the_backend_the_matcher_names(compilers):
     assert comp.accept_tokens(ms, [v.encode("ab")[0]] * 3) == [True] * 3
     comp.fill_next_token_bitmasks(ms, allocate_token_bitmask(3, VOCAB), [0, 1, 2])
     assert counting.calls == [("accept", 3), ("fill", 3)]
+
+
+class _PieceTokenizer:
+    """The parts of a Hugging Face tokenizer vocab_from_hf reads, over a given list of pieces."""
+
+    def __init__(self, pieces, special=()):
+        self.pieces, self.all_special_ids, self.eos_token_id = list(pieces), list(special), 0
+        self.added_tokens_decoder = {}
+
+    def __len__(self):
+        return len(self.pieces)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.pieces[i] for i in ids]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(min_size=0, max_size=6), min_size=1, max_size=40))
+def test_vocab_from_hf_byte_level_pieces_become_their_bytes(tokens):
+    from batchinfer.real_tokenizer import bytes_to_unicode
+
+    spell = bytes_to_unicode()
+    pieces = ["<|end|>", *("".join(spell[b] for b in t) for t in tokens)]
+    v = vocab_from_hf(_PieceTokenizer(pieces, special=[0]), len(pieces) + 3)
+    assert v.token_bytes == (b"", *tokens, b"", b"", b"")
+
+
+def test_vocab_from_hf_reads_sentencepiece_pieces():
+    pieces = ["<s>", "\u2581hello", "<0x0A>", "wor", "\u00e9t\u00e9", None]
+    v = vocab_from_hf(_PieceTokenizer(pieces, special=[0]), 6)
+    assert v.token_bytes == (b"", b" hello", b"\n", b"wor", "\u00e9t\u00e9".encode(), b"")

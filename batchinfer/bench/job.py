@@ -215,6 +215,12 @@ def _span_totals(phases: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _gap(phases: dict[str, Any], first: str, then: str) -> float | None:
+    """Seconds from the start of span `first` to the start of span `then` (None unless both are there)."""
+    starts = {s["name"]: s["start_s"] for s in phases.get("spans", [])}
+    return starts[then] - starts[first] if first in starts and then in starts else None
+
+
 def breakdown(phases: dict[str, Any], wall_s: float, started_unix: float | None = None) -> dict[str, Any]:
     """Where the run's wall clock went, from its own phase record (seconds; `..._at`: since the command started).
 
@@ -234,6 +240,8 @@ def breakdown(phases: dict[str, Any], wall_s: float, started_unix: float | None 
         "tokenizer_load": spans.get("tokenizer"),
         "grammar_compile": spans.get("grammar_compile"),
         "engine_start": spans.get("engine_start"),
+        # the engine's import, and the main thread waiting for the GIL while a preflight thread holds it
+        "engine_before_model_load": _gap(phases, "engine_start", "engine.model_load"),
         "model_load": spans.get("engine.model_load"),
         "kv_cache_profile_and_alloc": spans.get("engine.kv_cache"),
         "graph_capture": (spans.get("engine.graph_capture_decode", 0.0) + spans.get("engine.graph_capture_mixed", 0.0)) or None,
@@ -377,7 +385,8 @@ def format_job_report(r: dict[str, Any]) -> str:
         "start-up (main thread unless marked):",
         f"  interpreter start {_f(s['interpreter_start'])}, imports {_f(s['imports'])}, job spec {_f(s['job_spec'])}, "
         f"plan {_f(s['plan_main_thread'])}",
-        f"  engine start {_f(s['engine_start'])} = model load {_f(s['model_load'])} + KV cache (profiling) "
+        f"  engine start {_f(s['engine_start'])} = before the model load {_f(s.get('engine_before_model_load'))} "
+        f"(engine import; the GIL held by preflight threads) + model load {_f(s['model_load'])} + KV cache (profiling) "
         f"{_f(s['kv_cache_profile_and_alloc'])} + graph capture {_f(s['graph_capture'])} (decode {_f(s['graph_capture_decode'])}, "
         f"mixed {_f(s['graph_capture_mixed'])}) + sampling warm-up {_f(s['sampling_warm_up'])} + waiting for the tokenizer "
         f"{_f(s['engine_waits_for_tokenizer'])}",

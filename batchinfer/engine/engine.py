@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -231,18 +231,10 @@ class Engine:
         self._last_end = None
         source = iter(requests)
         exhausted = False
-        max_waiting = 2 * self.config.max_num_seqs
         try:
             while True:
-                while not exhausted and len(self.scheduler.waiting) < max_waiting:
-                    try:
-                        request = next(source)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    rejected = self._arrive(request)
-                    if rejected is not None:
-                        yield rejected
+                if not exhausted:
+                    exhausted = yield from self._take_requests(source)
                 if not self.scheduler.has_work() and self._inflight is None:
                     if exhausted:
                         return
@@ -253,6 +245,37 @@ class Engine:
             self._generating = False
 
     # --- arrival ----------------------------------------------------------------------------
+
+    def _take_requests(self, source: Iterator[Request]) -> Generator[Result, None, bool]:
+        """Take requests from `source` into the waiting queue for this loop iteration's step; yields
+        the ones that can never run (error results); returns whether `source` is exhausted.
+
+        The queue is kept at up to 2 x max_num_seqs, but filled a little per iteration
+        (max_num_seqs // 8 requests, while the step launched before runs on the device) and beyond
+        that only as far as the next step can admit (its token budget or its free sequence slots):
+        taking all 512 before the first step cost a job ~0.9 s before its first step (H200,
+        BENCHMARKS.md), for a first step that admits a handful of long prompts."""
+        c, waiting = self.config, self.scheduler.waiting
+        per_step = max(1, c.max_num_seqs // 8)
+        queued: int | None = None  # prompt tokens waiting, counted once the per-step share is taken
+        pulled = 0
+        while len(waiting) < 2 * c.max_num_seqs:
+            if pulled >= per_step:
+                if queued is None:
+                    queued = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
+                if queued >= c.max_num_batched_tokens or len(waiting) >= c.max_num_seqs - len(self.scheduler.running):
+                    break
+            try:
+                request = next(source)
+            except StopIteration:
+                return True
+            pulled += 1
+            rejected = self._arrive(request)
+            if rejected is not None:
+                yield rejected
+            elif queued is not None:
+                queued += waiting[-1].num_tokens
+        return False
 
     def _arrive(self, request: Request) -> Result | None:
         """Make a Sequence and queue it; an error Result if it can never run."""

@@ -32,7 +32,7 @@ import torch
 from batchinfer.engine.mask_cache import MaskCache, copy_rows
 from batchinfer.engine.sequence import Sequence, SequenceStatus
 from batchinfer.structured.base import Constraint, GrammarError, GrammarMatcher
-from batchinfer.structured.state_keys import SchemaKeys, TextTrack, plain_leads
+from batchinfer.structured.state_keys import SchemaKeys, TextTrack, vocab_plain_leads
 
 MASK_BUFFERS = 3  # bitmask buffers reused round-robin (GrammarState._mask_buffer)
 
@@ -93,7 +93,7 @@ class GrammarState:
         self._share = share_masks
         self._keyers: dict[Constraint, tuple[int, SchemaKeys | None]] = {}  # (grammar id, keys) per constraint
         self._token_bytes: list[bytes] | None = None  # what each token adds to an answer's text
-        self._token_leads: list[int] = []  # state_keys.plain_leads of each token's bytes
+        self._token_leads: list[int] = []  # state_keys.plain_leads of each token's bytes (vocab_plain_leads)
         self._cache = MaskCache((vocab_size + 31) // 32, mask_cache_bytes if share_masks else 0)
         # rows filled by the library, copied from a row of their step, and taken from the cache, over
         # this engine's life (benchmarks read them)
@@ -138,7 +138,7 @@ class GrammarState:
             self._keyers[constraint] = (len(self._keyers), SchemaKeys(constraint.schema) if ok else None)
             if self._token_bytes is None:
                 self._token_bytes = self._compiler.vocab.text_bytes()
-                self._token_leads = [plain_leads(b) for b in self._token_bytes]
+                self._token_leads = vocab_plain_leads(self._token_bytes)
         return self._keyers[constraint]
 
     def _grammar(self, constraint: Constraint):

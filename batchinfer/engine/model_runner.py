@@ -38,6 +38,7 @@ from batchinfer.engine.logprobs import StepLogprobs, step_logprobs
 from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.sampler import SamplingBatch, ban_tokens_, make_sampling_batch, sample
 from batchinfer.engine.sequence import Sequence
+from batchinfer.kernels._util import warm_compile_key
 from batchinfer.models.loader import load_model, load_model_info
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class ModelRunner:
         self.startup_spans: list[tuple[str, float, float]] = []
         t = time.perf_counter()
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            warm_compile_key()  # on a thread, while the model loads (the first forward needs it)
         threads = config.torch_threads or (1 if self.device.type == "cuda" else None)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # process-wide: see EngineConfig.torch_threads

@@ -50,7 +50,7 @@ def _parquet_ids(f: InputFile, id_column: str, types: list[IdType]) -> pl.DataFr
         raise InputError(f"{f.path}: no id column '{id_column}' (columns: {', '.join(cols)})")
     try:
         with f.open_file() as fh:
-            col = pq.read_table(fh, columns=[id_column]).column(id_column)
+            col = pq.ParquetFile(fh).read(columns=[id_column]).column(id_column)  # not read_table: its dataset layer imports pandas
     except Exception as e:  # pyarrow raises several types for a corrupt file
         raise InputError(f"cannot read {f.path}: {e}") from None
     big = None

@@ -55,9 +55,10 @@ def read_finished(manifest: Manifest, id_column: str) -> Finished:
     for i, p in enumerate(manifest.parts):
         path = manifest.folder / p.name
         with path.open_input_file() as fh:
-            names = pq.read_schema(fh).names
+            pf = pq.ParquetFile(fh)  # not read_table: its dataset layer imports pandas
+            names = pf.schema_arrow.names
             cols = [c for c in (id_column, "error", HASH_COLUMN) if c in names]
-            t = pq.read_table(fh, columns=cols)
+            t = pf.read(columns=cols)
         ids = t.column(id_column) if id_column in names else pa.nulls(t.num_rows, pa.string())
         big = None
         if pa.types.is_integer(ids.type) and t.num_rows:
@@ -96,7 +97,7 @@ def rewrite_parts(manifest: Manifest, id_column: str, names: list[str], typ: pa.
     for name in names:
         path = manifest.folder / name
         with path.open_input_file() as fh:
-            table = pq.read_table(fh)
+            table = pq.ParquetFile(fh).read()
         meta = table.schema.metadata
         if typ is not None and id_column in table.column_names:
             i = table.column_names.index(id_column)

@@ -8,7 +8,6 @@ converter for one engine), `output_columns` (the output schema, the committed pa
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,22 +102,26 @@ def output_columns(plan: JobPlan) -> dict[str, Any]:
 
 
 def start_prompts(plan: JobPlan, prefetch: PrefetchConfig = PrefetchConfig()) -> "Future[Prefetch]":
-    """Stage 3 started before the engine is ready: a thread waits for the preflight's tokenizer, then
-    reads the pending rows and renders and tokenises them ahead (Prefetch, bounded as ever), so the
-    first step does not wait for them once the engine is up. `execute(..., ahead=...)` takes it; its
-    rows are what the engine's own stage 3 would prepare (prepare_batch needs no engine; the prompt
-    length is checked per request, against the engine's limit). Errors come out of `.result()`."""
+    """Stage 3 started before the engine is ready: once the preflight's tokenizer is loaded, read the
+    pending rows and render and tokenise them ahead (Prefetch, bounded as ever), so the first step
+    does not wait for them once the engine is up. `execute(..., ahead=...)` takes it; its rows are what
+    the engine's own stage 3 would prepare (prepare_batch needs no engine; the prompt length is checked
+    per request, against the engine's limit). Errors come out of `.result()`.
+
+    It starts from the tokenizer Future's callback (on the preflight thread that loaded it), not from a
+    thread of its own: `Thread.start()` waits for the new thread to run, and while the tokenizer loads
+    it holds the GIL (0.4 s for Qwen's tokenizer.json), which stalled the model load behind it."""
     started: Future = Future()
 
-    def start() -> None:
+    def start(tokenizer: Future) -> None:
         try:
-            prompts = PromptBuilder(plan.spec.prompt, plan.preflight.tokenizer.result())
+            prompts = PromptBuilder(plan.spec.prompt, tokenizer.result())
             rows = pending_rows(plan, read_columns(plan.spec, prompts.columns))
             started.set_result(Prefetch(rows, partial(prepare_batch, prompts), prefetch, name="prompts"))
         except BaseException as e:  # the tokenizer or the plan failed: the run raises it where it takes the rows
             started.set_exception(e)
 
-    threading.Thread(target=start, name="prompts-start", daemon=True).start()
+    plan.preflight.tokenizer.add_done_callback(start)
     return started
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 
@@ -31,3 +33,21 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
     return num_kv_heads, num_heads // num_kv_heads
+
+
+def warm_compile_key() -> threading.Thread:
+    """Start computing Triton's compiler cache key on a thread. The first kernel launch of a process
+    needs it (runtime.cache.triton_key: a SHA-256 of Triton's sources and its 500 MB libtriton, then
+    kept in an lru_cache): 0.4 s on the H200 host inside the engine's first forward, on the main
+    thread. Hashing releases the GIL, so started before the model loads it costs that thread nothing."""
+    def run() -> None:
+        try:
+            from triton.runtime.cache import triton_key
+
+            triton_key()
+        except Exception:  # noqa: BLE001 (only a head start: the first launch computes it as ever)
+            pass
+
+    thread = threading.Thread(target=run, name="triton-key", daemon=True)
+    thread.start()
+    return thread

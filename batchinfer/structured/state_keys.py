@@ -375,6 +375,25 @@ def plain_leads(data: bytes) -> int:
     return sum(1 for b in data if b & 0xC0 != 0x80)
 
 
+def vocab_plain_leads(token_bytes: list[bytes]) -> list[int]:
+    """plain_leads of every token at once (a vocabulary's table, built in milliseconds: one pass of
+    numpy over all the bytes instead of a Python call per token)."""
+    import numpy as np
+
+    lens = np.fromiter(map(len, token_bytes), dtype=np.int64, count=len(token_bytes))
+    flat = np.frombuffer(b"".join(token_bytes), dtype=np.uint8)
+    ends = np.cumsum(lens)
+    starts = ends - lens
+
+    def per_token(flags: np.ndarray) -> np.ndarray:
+        total = np.concatenate(([0], np.cumsum(flags, dtype=np.int64)))
+        return total[ends] - total[starts]
+
+    bad = per_token((flat == 0x22) | (flat == 0x5C) | (flat < 0x20))
+    leads = per_token((flat & 0xC0) != 0x80)
+    return np.where((lens == 0) | (bad > 0), -1, leads).tolist()
+
+
 def _pending_utf8(text: bytearray) -> bytes:
     """The bytes of an unfinished UTF-8 character at the end of text (b"" if none)."""
     n = len(text)

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 from typing import Any
 
 
@@ -60,7 +61,11 @@ class Vocab:
 
     def text_bytes(self) -> list[bytes]:
         """The bytes each id adds to an answer's text: its token_bytes, b"" for special ids."""
-        return [b if self.is_normal(i) else b"" for i, b in enumerate(self.token_bytes)]
+        out = list(self.token_bytes)
+        for i in self.special_ids:
+            if 0 <= i < len(out):
+                out[i] = b""
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes[i] for i in ids if self.is_normal(i)).decode("utf-8", "replace")
@@ -82,6 +87,12 @@ def _byte_decoder() -> dict[str, int]:
     from batchinfer.real_tokenizer import bytes_to_unicode
 
     return {c: b for b, c in bytes_to_unicode().items()}
+
+
+@lru_cache(maxsize=1)
+def _byte_table() -> dict[int, int]:
+    """str.translate table of _byte_decoder (then latin-1 turns each char into its byte)."""
+    return {ord(c): b for c, b in _byte_decoder().items()}
 
 
 def _sentencepiece_bytes(piece: str) -> bytes:
@@ -106,16 +117,14 @@ def vocab_from_hf(tokenizer: Any, vocab_size: int | None = None, eos_ids: Sequen
     for tid, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
         if getattr(added, "special", True):
             special.add(int(tid))
-    dec = _byte_decoder()
-    byte_level = all(p is None or all(ch in dec for ch in p) for i, p in enumerate(pieces) if i not in special)
-    out: list[bytes] = []
-    for i, p in enumerate(pieces):
-        if p is None or i in special:
-            out.append(b"")
-        elif byte_level:
-            out.append(bytes(dec[ch] for ch in p))
-        else:
-            out.append(_sentencepiece_bytes(p))
+    kept = ["" if p is None or i in special else p for i, p in enumerate(pieces)]
+    joined = "".join(kept)
+    if frozenset(_byte_decoder()).issuperset(joined):  # byte-level BPE: one char per byte
+        raw = joined.translate(_byte_table()).encode("latin-1")  # all pieces at once (0.3 s one by one)
+        ends = list(accumulate(map(len, kept)))
+        out = [raw[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+    else:
+        out = [_sentencepiece_bytes(p) if p else b"" for p in kept]
     out.extend(b"" for _ in range(size - n_tok))
     if eos_ids is None:
         if tokenizer.eos_token_id is None:

@@ -154,13 +154,19 @@ def run(
         None, "--summary-json/--no-summary-json",
         help="print the summary as one JSON line, the last on stdout (human text to stderr); default: when stdout is not a terminal",
     ),
+    wait_for_report: bool = typer.Option(
+        False, "--wait-for-report",
+        help="draw report.html before exiting (default: report.json is written before the exit and the page "
+        "is drawn right after it by a process of its own; use this where the machine goes away at the exit)",
+    ),
 ) -> None:
     """Run a job: stream the input through the model into Parquet; resumes where a previous run stopped.
 
     Progress: a bar on a terminal; otherwise a log line every --progress-interval seconds. Its run
     records (manifest, rejects, per-row and per-step records, report.json / report.html) go in the
     folder _NAME.batchinfer beside the output folder (see `batchinfer report`); the report is written
-    after the summary is printed. SIGTERM or SIGINT (and --stop-after) stop it gracefully: finished
+    after the summary is printed, its page (report.html) by a process of its own after the exit
+    unless --wait-for-report. SIGTERM or SIGINT (and --stop-after) stop it gracefully: finished
     rows committed, exit 75.
     """
     from batchinfer.job.phases import PhaseTimer
@@ -199,6 +205,7 @@ def run(
             job, overrides=set_ or [], overwrite=overwrite, progress=not quiet, metrics_port=metrics_port,
             metrics_textfile=metrics_textfile, log_token_ids=log_token_ids, trace_dir=trace, executor=executor,
             stop=stop, progress_interval=progress_interval, phases=phases, on_summary=print_summary,
+            report_page="detached" if _STANDALONE and not wait_for_report else "inline",
         )
     except _user_errors() as e:
         raise fail(str(e), EXIT_INVALID) from None

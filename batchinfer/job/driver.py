@@ -52,6 +52,7 @@ def run_job(
     log_token_ids: bool = False,
     trace_dir: str | Path | None = None,
     report: bool = True,
+    report_page: str = "inline",
     executor: str = "local",
     stop_after: "str | float | None" = None,
     handle_signals: bool = False,
@@ -81,7 +82,8 @@ def run_job(
     started); the returned summary's `phases` holds what it recorded.
 
     Observability (batchinfer.observe): step and row records are always kept beside the output, and
-    report writes `_report.json` / `_report.html` there at the end. metrics_port serves live Prometheus
+    report writes `_report.json` / `_report.html` there at the end (report_page "detached": the page
+    by a process of its own, observe/page_writer.py, so the caller need not wait for it). metrics_port serves live Prometheus
     metrics on 127.0.0.1 during the run (0: any free port), metrics_textfile writes a node-exporter
     textfile at the end, log_token_ids writes the `_token_ids/` sidecar, trace_dir a profiler trace.
 
@@ -94,7 +96,7 @@ def run_job(
         try:
             return run_job(job, overrides, overwrite, progress, engine_factory, on_row, on_progress, on_step,
                            metrics_port=metrics_port, metrics_textfile=metrics_textfile, log_token_ids=log_token_ids,
-                           trace_dir=trace_dir, report=report, executor=executor, stop=stop,
+                           trace_dir=trace_dir, report=report, report_page=report_page, executor=executor, stop=stop,
                            progress_interval=progress_interval, phases=phases, on_summary=on_summary)
         finally:
             if handlers is not None:
@@ -105,7 +107,7 @@ def run_job(
         spec = load_job(job, overrides)
     if executor != "ray":
         check_device(spec.engine.device)
-    observe = observe_options(spec, metrics_port, metrics_textfile, log_token_ids, trace_dir, report)
+    observe = observe_options(spec, metrics_port, metrics_textfile, log_token_ids, trace_dir, report, report_page)
     try:
         shown = ProgressOptions(progress, progress_interval)
     except ValueError as e:
@@ -115,7 +117,7 @@ def run_job(
     try:
         with timer.span("plan"):
             plan = plan_inputs(spec, overwrite=overwrite, pool=pool, phases=timer)
-        if observe.report:
+        if observe.report and observe.page == "inline":
             pool.submit(_import_report_page)  # matplotlib takes a second or more to import: not after the run
         try:
             hooks = RunHooks(engine_factory, on_row, on_progress, on_step, progress=shown, stop=stop, phases=timer)
@@ -186,6 +188,7 @@ def observe_options(
     log_token_ids: bool = False,
     trace_dir: str | Path | None = None,
     report: bool = True,
+    report_page: str = "inline",
 ) -> ObserveOptions:
     """The run's ObserveOptions (records and report in output.path); checked before anything loads."""
     if metrics_textfile is not None:
@@ -204,6 +207,7 @@ def observe_options(
             log_token_ids=log_token_ids,
             trace_dir=Path(trace_dir) if trace_dir is not None else None,
             report=report,
+            page=report_page,
         )
     except ValueError as e:
         raise JobError(f"--metrics-port: {e}") from None

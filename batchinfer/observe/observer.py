@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # each error kind (enough for the report's sample answers; the records stay small on long runs).
 EXCERPT_OK_ROWS = 20
 EXCERPT_ROWS_PER_ERROR_KIND = 5
+PAGE_MODES = ("inline", "detached")  # ObserveOptions.page
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class ObserveOptions:
     log_token_ids: write `token_ids/` (prompt and output ids of every row).
     trace_dir: write a profiler trace of trace_num_steps steps after step trace_start_step (None: off).
     report: write `report.json` and `report.html` at close.
+    page: "inline" draws `report.html` in close; "detached" leaves it to a process of its own started
+      there (observe/page_writer.py: `batchinfer run` does, so its exit waits for no plot).
     flush_rows / flush_s: how often records are written out as parts.
     """
 
@@ -73,6 +76,7 @@ class ObserveOptions:
     trace_start_step: int = 5
     trace_num_steps: int = 3
     report: bool = True
+    page: str = "inline"
     flush_rows: int = 10_000
     flush_s: float = 60.0
 
@@ -81,6 +85,8 @@ class ObserveOptions:
             raise ValueError(f"metrics_port must be in [0, 65535], not {self.metrics_port}")
         if self.flush_rows < 1:
             raise ValueError("flush_rows must be at least 1")
+        if self.page not in PAGE_MODES:
+            raise ValueError(f"page must be one of {', '.join(PAGE_MODES)}, not {self.page!r}")
 
 
 class Observer:
@@ -208,6 +214,11 @@ class Observer:
             return
         steps, rows = self._frames
         self._frames = []
+        if self.options.page == "detached":
+            from batchinfer.observe.page_writer import start_detached
+
+            start_detached(self.out_dir)  # from report.json, which is written
+            return
         write_report_page(self.out_dir, self.report, steps, rows)
 
     def abort(self) -> None:

@@ -1,7 +1,7 @@
 """Where an engine's start-up goes, on a GPU: build the engine of a bench shape twice in one process
 (the first pays Triton compiles and library set-up, the second shows the steady cost) and print its
 start-up phases, the Triton variants compiled during each build and, with --profile, the top of a
-cProfile of the first build.
+cProfile of the first build (--profile-build N: of build N; --stats-out FILE keeps it).
 
     python3 scripts/startup_profile.py --model qwen3-0.6b [--profile] [--set max_num_seqs=256]
 """
@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--builds", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-build", type=int, default=0, help="which build --profile profiles (0: the first, which compiles)")
+    ap.add_argument("--stats-out", default=None, help="also write the profile (pstats) to this file")
     ap.add_argument("--set", action="append", default=[], help="EngineConfig field=value")
     args = ap.parse_args()
     folder, load_format = _model_folder(args.model, Path(tempfile.gettempdir()) / "batchinfer-bench")
@@ -45,7 +47,7 @@ def main() -> None:
     cfg = replace(cfg, **{k: _value(v) for k, v in (s.split("=", 1) for s in args.set)})
     for build in range(args.builds):
         before = _jit_snapshot()
-        prof = cProfile.Profile() if args.profile and build == 0 else None
+        prof = cProfile.Profile() if args.profile and build == args.profile_build else None
         t = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -56,6 +58,8 @@ def main() -> None:
         spans = engine.runner.startup_spans
         parts = ", ".join(f"{name} {end - start:.2f}" for name, start, end in spans)
         print(f"build {build}: {total:.2f} s: {parts}; blocks {engine.runner.num_blocks}; compiled {_jit_compiled_since(before)}")
+        if prof is not None and args.stats_out:
+            prof.dump_stats(args.stats_out)
         if prof is not None:
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)

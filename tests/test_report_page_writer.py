@@ -11,26 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
+from test_signals import make_job
 
 from batchinfer.io import layout
 from batchinfer.observe.observer import ObserveOptions
 from batchinfer.observe.page_writer import main as page_writer_main
-
-
-def make_job(tmp: Path, model: Path, n_rows: int = 6) -> Path:
-    (tmp / "in.jsonl").write_text("".join(json.dumps({"doc_id": f"d{i}", "text": f"invoice {i} total {i * 3}"}) + "\n"
-                                          for i in range(n_rows)))
-    job = tmp / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "model": {"path": str(model), "dtype": "float32"},
-        "input": {"path": "in.jsonl", "id_column": "doc_id"},
-        "output": {"path": "out"},
-        "prompt": {"template": "Doc: {{ text }}"},
-        "sampling": {"max_tokens": 4},
-        "engine": {"max_num_seqs": 4, "device": "cpu", "num_kv_blocks": 64},
-    }))
-    return job
 
 
 def run_cli(job: Path, *args: str) -> subprocess.CompletedProcess:
@@ -47,7 +32,7 @@ def wait_for(path: Path, timeout: float = 120.0) -> bool:
 
 
 def test_the_command_exits_before_the_page_which_follows_and_is_the_runs_own(tiny_model, tmp_path):
-    job = make_job(tmp_path, tiny_model)
+    job = make_job(tmp_path, tiny_model, 6)
     out = tmp_path / "out"
     done = run_cli(job)
     assert done.returncode == 0, done.stderr
@@ -63,7 +48,7 @@ def test_the_command_exits_before_the_page_which_follows_and_is_the_runs_own(tin
 
 
 def test_wait_for_report_draws_the_page_before_the_exit(tiny_model, tmp_path):
-    job = make_job(tmp_path, tiny_model)
+    job = make_job(tmp_path, tiny_model, 6)
     done = run_cli(job, "--wait-for-report")
     assert done.returncode == 0, done.stderr
     assert Path(str(layout.report_html_path(tmp_path / "out"))).exists()

@@ -173,6 +173,20 @@ def test_s3_run_killed_by_sigkill_then_resumed(tiny_model, bucket, tmp_path):
     assert sorted(read_back(bucket, "out/killed").column("doc_id").to_pylist()) == ids
 
 
+def test_s3_report_page_drawn_by_the_detached_writer(tiny_model, bucket, engines):
+    """report_page "detached" (the CLI's default): report.json on S3 when the run returns, the page
+    drawn there by a process of its own (the store's credentials reach it through the environment)."""
+    put_inputs(bucket)
+    uri = f"s3://{bucket}/out/extract"
+    s = batchinfer.run(job(tiny_model, bucket), engine_factory=engines, report_page="detached")
+    assert s.rows_done == N and layout.report_json_path(uri).exists()
+    page = layout.report_html_path(uri)
+    deadline = time.monotonic() + 120
+    while not page.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "<img" in page.read_text()
+
+
 def test_s3_writes_are_whole_or_absent(bucket):
     target = location(f"s3://{bucket}/w/obj.bin")
     with pytest.raises(Boom):

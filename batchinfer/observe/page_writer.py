@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import subprocess
 import sys
 from typing import Any
@@ -46,7 +45,7 @@ def start_detached(out_dir: Any) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "batchinfer.observe.page_writer", out.uri],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True, close_fds=True,
     )
 
 

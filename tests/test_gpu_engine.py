@@ -237,6 +237,46 @@ def test_activation_estimate_is_near_the_profiled_peak(tmp_path):
     runner.close()
 
 
+def test_a_repeat_start_reads_the_step_profile_instead_of_profiling(tmp_path, monkeypatch):
+    """engine/step_profile_cache.py: the first start profiles and stores what it measured; a second start
+    with the same key reads it back (no profiling forward) and sizes the KV cache within 2% of the
+    first; step_profile_cache False profiles again."""
+    from batchinfer.bench.shapes import write_shape
+    from batchinfer.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    folder = write_shape("qwen3-0.6b", tmp_path / "qwen3-0.6b")
+    cfg = EngineConfig(
+        model=str(folder), dtype="bfloat16", device="cuda", load_format="random", cuda_graphs=False,
+        max_model_len=2048, kv_cache_memory_fraction=0.1,
+    )
+    first = ModelRunner(cfg)
+    blocks, peak = first.num_blocks, first.activation_peak_bytes
+    assert not first.step_profile_cached
+    first.close()
+    del first
+    gc.collect()
+    torch.cuda.empty_cache()
+    stored = list((tmp_path / "cache" / "step-profiles").glob("*.json"))
+    assert len(stored) == 1
+
+    def no_profiling(self):
+        raise AssertionError("profiled although a stored profile matches")
+
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "profile_step", no_profiling)
+        second = ModelRunner(cfg)
+    assert second.step_profile_cached and second.activation_peak_bytes == peak
+    assert abs(second.num_blocks - blocks) <= 0.02 * blocks, (second.num_blocks, blocks)
+    second.close()
+    del second
+    gc.collect()
+    torch.cuda.empty_cache()
+    third = ModelRunner(replace(cfg, step_profile_cache=False))
+    assert not third.step_profile_cached
+    third.close()
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs):
     """Speculative decoding on the GPU (float32, triton attention, mixed-step graphs on or off): drafts

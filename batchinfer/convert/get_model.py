@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchinfer.cache_dir import cache_dir  # noqa: F401 (also the name tests and the CLI import from here)
 from batchinfer.convert.gguf_file import GGUFError
 from batchinfer.convert.gguf_to_hf import SOURCE_FILE, convert_gguf
 from batchinfer.io.model_files import file_sha256
@@ -67,13 +68,6 @@ class GetModelResult:
     convert_seconds: float
     total_seconds: float
     num_params: int
-
-
-def cache_dir() -> Path:
-    if os.environ.get("BATCHINFER_CACHE"):
-        return Path(os.environ["BATCHINFER_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "batchinfer"
 
 
 def default_model_dir(name: str) -> Path:

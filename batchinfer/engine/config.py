@@ -82,6 +82,10 @@ class EngineConfig:
     speculative: speculative decoding (engine/speculative.py SpeculativeConfig, or a dict of its
         fields, e.g. {"method": "ngram+grammar", "num_tokens": 4}); None: off. On, the loop runs
         serially (overlap is ignored).
+    step_profile_cache: on a GPU, keep what the KV sizing's profiling forward measured in the cache
+        folder ($BATCHINFER_CACHE, else ~/.cache/batchinfer) and read it back on a later start with the
+        same model shapes, settings, GPU and software instead of running that forward again
+        (engine/step_profile_cache.py); False: profile at every start.
     """
 
     model: str
@@ -115,6 +119,7 @@ class EngineConfig:
     slack_max_wait_steps: int = 32
     slack_max_idle_slots: int | None = None
     speculative: SpeculativeConfig | None = None
+    step_profile_cache: bool = True
 
     def __post_init__(self) -> None:
         spec: Any = self.speculative

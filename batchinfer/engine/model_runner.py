@@ -19,6 +19,8 @@ an event-guarded copy to pinned memory, so the host syncs only when it reads the
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import logging
 import time
@@ -30,7 +32,7 @@ import torch
 
 from batchinfer.attention import get_attention_backend
 from batchinfer.attention.base import AttentionMetadata, concat_aligned
-from batchinfer.engine import kv_budget
+from batchinfer.engine import kv_budget, step_profile_cache
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs, VerifyGraphs, graph_batch_sizes
 from batchinfer.engine.kv_cache import allocate_kv_cache
@@ -155,6 +157,7 @@ class ModelRunner:
         self.max_blocks_per_seq = kv_budget.max_blocks_per_seq(config, self.info)
         self.vocab_size = self.info.vocab_size
         self.activation_peak_bytes: int | None = None  # measured by _profile_free_bytes (GPU)
+        self.step_profile_cached = False  # whether it came from an earlier start's profile
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate(self.num_blocks)
         t = self._span("kv_cache", t)  # on a GPU: the profiling forward, then the allocation
@@ -275,8 +278,18 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_free_bytes(self) -> int:
         """Run the largest step once; keep its activation peak (activation_peak_bytes) and return the
-        free device memory after it."""
+        free device memory after it. With EngineConfig.step_profile_cache, a profile of an earlier
+        start with the same key is read back instead (engine/step_profile_cache.py): the free memory
+        now, less what that forward left in use."""
         torch.cuda.synchronize(self.device)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        path = self._step_profile_path()
+        cached = step_profile_cache.read(path) if path is not None else None
+        if cached is not None:
+            self.activation_peak_bytes = cached.activation_peak_bytes
+            self.step_profile_cached = True
+            logger.info("KV sizing: the largest step's profile read from %s", path)
+            return max(0, free_before - cached.retained_bytes)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self.profile_step()
@@ -284,7 +297,25 @@ class ModelRunner:
         self.activation_peak_bytes = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
+        if path is not None:
+            step_profile_cache.write(path, step_profile_cache.StepProfile(self.activation_peak_bytes, max(0, free_before - free)))
         return free
+
+    def _step_profile_path(self):
+        """Where this start's step profile is kept (None: EngineConfig.step_profile_cache off)."""
+        if not self.config.step_profile_cache:
+            return None
+        import triton
+
+        props = torch.cuda.get_device_properties(self.device)
+        device = {"name": props.name, "total_memory": props.total_memory, "capability": [props.major, props.minor]}
+        software = {"torch": torch.__version__, "cuda": str(torch.version.cuda), "triton": triton.__version__}
+        shapes = {k: v for k, v in dataclasses.asdict(self.info).items() if k not in ("model_dir", "eos_token_ids")}
+        config_json = self.info.model_dir / "config.json"
+        if config_json.is_file():  # the architecture's own settings too (a kind of norm, tied embeddings)
+            shapes["config_json"] = hashlib.sha256(config_json.read_bytes()).hexdigest()
+        key = step_profile_cache.profile_key(self.config, shapes, self.max_model_len, device, software)
+        return step_profile_cache.path_for(key)
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, tokenizer=None) -> list[tuple[float, float]]:

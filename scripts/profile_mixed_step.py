@@ -102,7 +102,7 @@ def main() -> None:
     t0 = time.perf_counter()
     buffers = runner.attention.graph_buffers(8192, len(lens), runner.max_blocks_per_seq, False, runner.device)
     mixed = MixedGraphs(buffers, 8192, len(lens), runner.vocab_size, runner.info.dtype, runner.device)
-    mixed.capture(runner._logits_at)
+    mixed.capture(runner._logits_at, all_sizes=True)
     print(f"captured {len(mixed.sizes)} mixed-step graphs in {time.perf_counter() - t0:.1f} s, "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
     eager_logits = runner.forward(batch).clone()

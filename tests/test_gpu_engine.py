@@ -152,10 +152,12 @@ def test_no_kernel_compiles_after_the_first_run(tiny_model):
 def test_mixed_graph_replay_equals_eager_on_every_mixed_step(tiny_model, dtype):
     """Steps that prefill (chunks, with decode rows) replay a mixed-step graph; each one's logits
     are compared with an eager forward of the same inputs. A small token budget makes many
-    chunked, mixed steps of different padded sizes."""
+    chunked, mixed steps of different padded sizes. Start-up captured the largest size only; the
+    smaller ones are captured when a step first needs them, mid-run, and replay like the rest."""
     engine = _engine(tiny_model, dtype, max_num_batched_tokens=300)
     runner = engine.runner
     assert runner.mixed_graphs is not None and runner.mixed_graphs.sizes == (128, 256, 300)
+    assert list(runner.mixed_graphs.graphs) == [300] and runner.mixed_graphs.captured_on_use == []
     diffs = _compare_graph_steps_with_eager(runner, "mixed_graphs", runner._uses_mixed_graph)
     reqs = _requests(37, runner.vocab_size, temperature=0.0)
     results = list(engine.generate(reqs))
@@ -163,6 +165,8 @@ def test_mixed_graph_replay_equals_eager_on_every_mixed_step(tiny_model, dtype):
     assert len(diffs) >= 5
     tolerance = 1e-4 if dtype == "float32" else 2e-2
     assert max(diffs) < tolerance, max(diffs)
+    on_use = runner.mixed_graphs.captured_on_use
+    assert on_use and sorted(set(on_use)) == sorted(on_use) and set(on_use) <= {128, 256}, on_use
 
 
 def test_mixed_graphs_on_and_off_give_the_same_tokens(tiny_model):

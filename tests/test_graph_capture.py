@@ -15,7 +15,7 @@ import gc
 
 import pytest
 
-from batchinfer.engine.cuda_graphs import capture_largest_first
+from batchinfer.engine.cuda_graphs import GraphCapturer, capture_largest_first
 
 
 class _Stream:
@@ -63,12 +63,14 @@ class RecordingCuda:
                 outer.current = self.before
 
         class _Capture:
-            def __init__(self, graph: _Graph, pool=None) -> None:
-                self.graph, self.pool = graph, pool
+            def __init__(self, graph: _Graph, pool=None, **options) -> None:
+                self.graph, self.pool, self.options = graph, pool, options
                 self.capture_stream = outer.side
 
             def __enter__(self) -> None:
                 outer.log.append(("begin", self.graph.id, self.pool, gc.isenabled()))
+                if self.options:
+                    outer.log.append(("options", self.graph.id, self.options))
                 self.before, outer.current = outer.current, outer.side
                 outer.capturing = True
 
@@ -193,3 +195,41 @@ def test_the_collector_stays_off_when_it_was_off():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_later_capture_shares_the_pool_and_is_warmed_only_when_it_fails():
+    """Sizes captured after the start-up ones (MixedGraphs on first use): the first capture's pool, no
+    warm-up unless the direct capture fails, the options passed through to torch.cuda.graph."""
+    cuda = RecordingCuda(fail_at=1, until_warm=True)
+    capturer = GraphCapturer(cuda.run, cuda)
+    graphs, _ = capture_largest_first((4,), cuda.run, cuda=cuda, capturer=capturer)
+    pool = graphs[4].pool()
+    assert capturer.pool == pool
+    del cuda.log[:]
+    graph, out = capturer.capture(2, capture_error_mode="thread_local")
+    assert out == "out-2" and [(e[1], e[3]) for e in cuda.log if e[0] == "run"] == [(2, True)]
+    assert [e[2] for e in cuda.log if e[0] == "begin"] == [pool]
+    assert ("options", graph.id, {"capture_error_mode": "thread_local"}) in cuda.log
+    del cuda.log[:]
+    capturer.capture(1)  # fails until warmed: warmed on the capture stream, then captured again
+    assert [(e[1], e[3]) for e in cuda.log if e[0] == "run"] == [(1, True), (1, False), (1, True)]
+    assert capturer.pool == pool
+
+
+def test_mixed_graphs_capture_a_size_the_first_time_a_step_needs_it():
+    """MixedGraphs._graph: a size without a graph is captured once (collector off meanwhile), with
+    thread_local capture errors, and recorded in captured_on_use; a size it has is only looked up."""
+    from batchinfer.engine.cuda_graphs import MixedGraphs
+
+    cuda = RecordingCuda()
+    graphs = object.__new__(MixedGraphs)  # the bookkeeping only: no device buffers on the CPU
+    graphs._capturer = GraphCapturer(cuda.run, cuda)
+    graphs.graphs, _ = capture_largest_first((512,), cuda.run, cuda=cuda, capturer=graphs._capturer)
+    graphs.captured_on_use = []
+    del cuda.log[:]
+    assert graphs._graph(512) is graphs.graphs[512] and cuda.log == []
+    g = graphs._graph(128)
+    assert graphs.graphs[128] is g and graphs._graph(128) is g and graphs.captured_on_use == [128]
+    assert [e for e in cuda.log if e[0] == "run"] == [("run", 128, "capture", True, False)]
+    assert ("options", g.id, {"capture_error_mode": "thread_local"}) in cuda.log
+    assert gc.isenabled()

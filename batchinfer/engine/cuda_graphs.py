@@ -1,7 +1,8 @@
-"""CUDA graphs captured once at start-up, and the one capture loop (capture_largest_first).
+"""CUDA graphs of whole steps, and the one way they are captured (GraphCapturer).
 
-DecodeGraphs: decode-only steps for a ladder of batch sizes; MixedGraphs: steps that prefill, for a
-ladder of padded token counts.
+DecodeGraphs: decode-only steps for a ladder of batch sizes, all captured at start-up; MixedGraphs:
+steps that prefill, for a ladder of padded token counts, the largest captured at start-up and the
+others on first use.
 
 A decode step of a small model is hundreds of tiny kernels; launched one by one from Python the
 host, not the GPU, sets the pace. Each graph replays a whole step (embedding, every layer, final
@@ -15,11 +16,11 @@ context lengths, block tables, whatever its kernels read). `run` copies the step
 into them (device-side copies, no sync), then replays. Every kernel in the body must be graph-safe:
 no host syncs and launch shapes fixed by the buffers (`AttentionBackend.graph_safe`).
 
-Capture rules this module keeps (capture_largest_first): the body of the largest size runs once before
-its capture on the stream the capture uses (kernels compile, cuBLAS takes its workspace for that
+Capture rules this module keeps (GraphCapturer): the body of the first size captured (the largest)
+runs once before its capture on the stream the capture uses (kernels compile, cuBLAS takes its workspace for that
 stream, outside the graph's pool); smaller sizes are captured without that warm-up run, and one whose
 capture fails (a kernel variant that must compile first, say) is warmed up and captured again;
-Python's garbage collector is off during captures, after one collection first:
+Python's garbage collector is off during captures (at start-up after one collection first):
 a finaliser run mid-capture (another engine's graphs and pools being freed) would make a CUDA call
 that invalidates the capture; `close()` releases the graphs and their memory pool.
 """
@@ -72,61 +73,80 @@ def ladder_size(sizes: tuple[int, ...], n: int) -> int:
     return sizes[bisect.bisect_left(sizes, n)]
 
 
-def capture_largest_first(
-    sizes: tuple[int, ...], run: Callable[[int], object], cuda=torch.cuda, warm_every: bool = False,
-) -> tuple[dict, dict]:
-    """For each size, largest first, capture run(size) into a CUDA graph. All graphs share one memory
-    pool (only one replays at a time). The garbage collector is off meanwhile (after one collection),
-    so no finaliser runs inside a capture. Returns {size: graph} and {size: what the captured run
-    returned}.
+class GraphCapturer:
+    """Captures run(size) into CUDA graphs that share one memory pool (only one replays at a time).
 
-    Warm-up: run(size) once on the capture stream before its capture (kernels compile and libraries
-    set up their per-stream state outside the capture) for the largest size, and for a smaller size
-    only when its capture without one failed (then it is captured again; a second failure raises).
-    Why not warm every size: a warm-up is a whole forward, and on a 7B model the warm-ups of the
-    mixed-step ladder (18 sizes up to 8,192 tokens) are most of its capture time. warm_every: the
-    old rule, every size warmed first.
+    The first capture is warmed up first: run(size) once on the capture stream (kernels compile and
+    libraries set up their per-stream state outside the capture). A later size is captured directly,
+    and if that capture fails (a kernel variant that must compile first, say) it is warmed up and
+    captured again; a second failure raises. Why not warm every size: a warm-up is a whole forward, and
+    on a 7B model the warm-ups of the mixed-step ladder (18 sizes up to 8,192 tokens) were most of its
+    capture time. warm_every: the old rule, every size warmed first.
+
+    The caller keeps Python's garbage collector off around capture() (capture_largest_first, or
+    _LadderGraphs' capture on first use): a finaliser run mid-capture (another engine's graphs and
+    pools being freed) would make a CUDA call that invalidates the capture.
 
     `cuda`: the torch.cuda module (a test passes a recorder to check the order of these steps).
     """
-    graphs: dict[int, object] = {}
-    outputs: dict[int, object] = {}
-    pool = None
 
-    def warm(size: int, stream) -> None:
+    def __init__(self, run: Callable[[int], object], cuda=torch.cuda, warm_every: bool = False) -> None:
+        self.run, self.cuda, self.warm_every = run, cuda, warm_every
+        self.pool = None
+
+    def _warm(self, size: int, stream) -> None:
+        cuda = self.cuda
         stream.wait_stream(cuda.current_stream())
         with cuda.stream(stream):
-            run(size)
+            self.run(size)
         cuda.current_stream().wait_stream(stream)
         cuda.synchronize()
 
-    def attempt(size: int, warm_first: bool):
-        graph = cuda.CUDAGraph()
-        capture = cuda.graph(graph, pool=pool)
+    def _attempt(self, size: int, warm_first: bool, options: dict):
+        graph = self.cuda.CUDAGraph()
+        capture = self.cuda.graph(graph, pool=self.pool, **options)
         if warm_first:
-            warm(size, capture.capture_stream)
+            self._warm(size, capture.capture_stream)
         with capture:
-            out = run(size)
+            out = self.run(size)
         return graph, out
 
+    def capture(self, size: int, **options) -> tuple[object, object]:
+        """(graph, what the captured run returned) for one size; options go to torch.cuda.graph."""
+        warm_first = self.warm_every or self.pool is None
+        try:
+            graph, out = self._attempt(size, warm_first, options)
+        except Exception as exc:
+            if warm_first:
+                raise RuntimeError(f"CUDA graph capture of size {size} failed: {exc}") from exc
+            try:
+                graph, out = self._attempt(size, True, options)
+            except Exception as again:
+                raise RuntimeError(f"CUDA graph capture of size {size} failed: {again}") from again
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
+
+
+def capture_largest_first(
+    sizes: tuple[int, ...], run: Callable[[int], object], cuda=torch.cuda, warm_every: bool = False,
+    capturer: GraphCapturer | None = None,
+) -> tuple[dict, dict]:
+    """For each size, largest first, capture run(size) into a CUDA graph (GraphCapturer: one shared
+    pool, the first capture warmed up). The garbage collector is off meanwhile (after one collection),
+    so no finaliser runs inside a capture. Returns {size: graph} and {size: what the captured run
+    returned}. capturer: one to capture with (its pool is then the pool of later captures too).
+    """
+    capturer = capturer or GraphCapturer(run, cuda, warm_every)
+    graphs: dict[int, object] = {}
+    outputs: dict[int, object] = {}
     collecting = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         for size in reversed(sizes):
-            warm_first = warm_every or pool is None
-            try:
-                graph, outputs[size] = attempt(size, warm_first)
-            except Exception as exc:
-                if warm_first:
-                    raise RuntimeError(f"CUDA graph capture of size {size} failed: {exc}") from exc
-                try:
-                    graph, outputs[size] = attempt(size, True)
-                except Exception as again:
-                    raise RuntimeError(f"CUDA graph capture of size {size} failed: {again}") from again
-            pool = graph.pool() if pool is None else pool
-            graphs[size] = graph
-        cuda.synchronize()
+            graphs[size], outputs[size] = capturer.capture(size)
+        capturer.cuda.synchronize()
     finally:
         if collecting:
             gc.enable()
@@ -230,16 +250,45 @@ class MixedGraphs(_LadderGraphs):
         self.sample_index = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.logits = torch.empty(max_num_seqs, vocab_size, dtype=dtype, device=device)
         self._metas = {t: buffers.meta(t) for t in self.sizes}
+        self._capturer: GraphCapturer | None = None
+        self.captured_on_use: list[int] = []  # sizes captured by run(), in order
 
     def args(self, t: int) -> tuple:
         """The body's arguments for size t: views of the static buffers."""
         return (self.input_ids[:t], self.positions[:t], self._metas[t], self.sample_index, self.logits)
 
     @torch.inference_mode()
-    def capture(self, body) -> None:
+    def capture(self, body, all_sizes: bool = False) -> None:
         """One graph per padded size; body(input_ids, positions, meta, sample_index, out) runs the
-        model and the LM head of the sample_index rows into out (all sizes share it)."""
-        self.graphs, _ = capture_largest_first(self.sizes, lambda t: body(*self.args(t)))
+        model and the LM head of the sample_index rows into out (all sizes share it).
+
+        Only the largest size is captured now; a smaller one the first time a step runs at it (run).
+        A document job's mixed steps fill the token budget, so they replay the largest graph and only
+        a few steps near its start and end need another size: capturing the whole ladder up front
+        (18 sizes, 0.7 s of every start on the H200 host, BENCHMARKS.md) mostly made graphs that
+        never replayed. all_sizes: the whole ladder now (tests, benchmarks of one step size).
+        """
+        self._capturer = GraphCapturer(lambda t: body(*self.args(t)))
+        sizes = self.sizes if all_sizes else self.sizes[-1:]
+        self.graphs, _ = capture_largest_first(sizes, self._capturer.run, capturer=self._capturer)
+
+    def _graph(self, t: int) -> torch.cuda.CUDAGraph:
+        """The graph of padded size t, captured now if no step has needed it yet. The step is already
+        staged: torch.cuda.graph synchronises the device before the capture, the capture only records,
+        and the replay that follows computes the staged step. thread_local: other threads' CUDA calls
+        (none of the engine's, but a host program's) neither break this capture nor are refused by it."""
+        graph = self.graphs.get(t)
+        if graph is None:
+            collecting = gc.isenabled()
+            gc.disable()  # no finaliser inside the capture (GraphCapturer)
+            try:
+                graph, _ = self._capturer.capture(t, capture_error_mode="thread_local")
+            finally:
+                if collecting:
+                    gc.enable()
+            self.graphs[t] = graph
+            self.captured_on_use.append(t)
+        return graph
 
     def fits(self, num_tokens: int, meta: AttentionMetadata, num_samples: int) -> bool:
         """Whether a packed step can run as one of these graphs."""
@@ -263,7 +312,7 @@ class MixedGraphs(_LadderGraphs):
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, sample_index: torch.Tensor) -> torch.Tensor:
         """Stage a packed step and replay the graph of its padded size; returns the logits of its
         sampling rows (the shared buffer: sample before the next run)."""
-        self.graphs[self.stage(input_ids, positions, meta, sample_index)].replay()
+        self._graph(self.stage(input_ids, positions, meta, sample_index)).replay()
         return self.logits[: sample_index.shape[0]]
 
 

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, ClassVar
 
+from batchinfer.engine.device_runtime import start_device_runtime
 from batchinfer.io.background_writer import BackgroundPartWriter
 from batchinfer.job.executors.base import RunHooks, chain_callbacks
 from batchinfer.job.phases import add_spans
@@ -64,6 +65,8 @@ class LocalExecutor:
         """Load the engine now (this thread), while the plan's preflight runs on its threads and stage 3
         starts preparing the first rows (so the first step finds them ready)."""
         if self._engine is None:
+            if hooks.engine_factory is make_engine:  # our engine: its GPU's runtime starts beside the imports
+                start_device_runtime(plan.spec.engine.device)
             if self._prompts is None:
                 self._prompts = start_prompts(plan)
             self._engine = _make_engine(plan, hooks)

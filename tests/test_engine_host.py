@@ -13,7 +13,7 @@ from batchinfer.engine.model_runner import block_table
 
 
 def test_graph_ladder():
-    assert graph_batch_sizes(256) == (1, 2, 4, 8, *range(16, 257, 16))
+    assert graph_batch_sizes(256) == (1, 2, 4, 8, 16, *range(32, 257, 32))
     assert graph_batch_sizes(40) == (1, 2, 4, 8, 16, 32, 40)
     assert graph_batch_sizes(1) == (1,)
     assert graph_batch_sizes(3) == (1, 2, 3)

@@ -37,13 +37,17 @@ from batchinfer.attention.base import AttentionMetadata, GraphBuffers
 
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then every multiple of 16 below max_num_seqs, then max_num_seqs itself.
+    """1, 2, 4, 8, 16, then every multiple of 32 below max_num_seqs, then max_num_seqs itself.
 
-    Padding wastes at most 15 rows of a step (6% at 256); rows of a decode step cost little next to
-    the weights and the KV read, so a finer ladder would buy little and cost capture time and memory.
+    A padded row of a decode step attends over nothing and adds only its share of the matmuls' FLOPs,
+    and below the matmul ridge (~300 rows of a 16-bit model on an H100/H200) a decode step's matmuls
+    take the time of reading their weights whatever the rows: padding 225 rows to 256 costs about
+    nothing on a 7B shape and a few percent of the step's matmul time on a 0.6B one. Each size costs
+    ~50 ms of every start-up to capture (BENCHMARKS.md), so the ladder is as coarse as that allows:
+    13 sizes for 256 sequences (multiples of 16 made 20).
     """
-    sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs}
-    sizes.update(range(16, max_num_seqs, 16))
+    sizes = {b for b in (1, 2, 4, 8, 16) if b < max_num_seqs}
+    sizes.update(range(32, max_num_seqs, 32))
     sizes.add(max_num_seqs)
     return tuple(sorted(sizes))
 

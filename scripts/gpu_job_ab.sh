@@ -2,7 +2,8 @@
 # MODEL:DOCS argument on this tree and, where .base/ holds another tree (`git archive REV | tar -x -C .base`,
 # git-ignored), on that one right after it, so the two compare inside one call.
 # Usage (device tool, carry .whl and .base): TESTS=1 bash scripts/gpu_job_ab.sh qwen2.5-7b:1000 qwen3-0.6b:2000
-# ARGS adds options to every bench job. Reports: $OUT/job-<model>-<docs>-{new,base}.{json,txt}.
+# ARGS adds options to every bench job; MODEL:DOCS:new runs that one on this tree only. Reports:
+# $OUT/job-<model>-<docs>-{new,base}.{json,txt}.
 source scripts/device_setup.sh
 root=$PWD
 if [ -n "$TESTS" ]; then
@@ -10,8 +11,8 @@ if [ -n "$TESTS" ]; then
   grep -E "passed|failed|Error" "$OUT/gpu-tests.log" | tail -8
 fi
 for spec in "$@"; do
-  IFS=: read -r model docs <<< "$spec"
-  for tree in new base; do
+  IFS=: read -r model docs only <<< "$spec"
+  for tree in ${only:-new base}; do
     dir=$root; [ "$tree" = base ] && dir=$root/.base
     [ -d "$dir/batchinfer" ] || continue
     name="job-$model-$docs-$tree"

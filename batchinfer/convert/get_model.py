@@ -14,7 +14,6 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchinfer.cache_dir import cache_dir  # noqa: F401 (also the name tests and the CLI import from here)
+from batchinfer.cache_dir import cache_dir
 from batchinfer.convert.gguf_file import GGUFError
 from batchinfer.convert.gguf_to_hf import SOURCE_FILE, convert_gguf
 from batchinfer.io.model_files import file_sha256

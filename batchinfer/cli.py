@@ -169,6 +169,10 @@ def run(
     unless --wait-for-report. SIGTERM or SIGINT (and --stop-after) stop it gracefully: finished
     rows committed, exit 75.
     """
+    if os.environ.get("BATCHINFER_SAMPLE_STACKS"):  # a debugging aid: observe/stack_sampler.py
+        from batchinfer.observe.stack_sampler import start_from_env
+
+        start_from_env()
     from batchinfer.job.phases import PhaseTimer
 
     _setup_logging(quiet, log_level, log_format)

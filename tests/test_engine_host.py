@@ -13,10 +13,19 @@ from batchinfer.engine.model_runner import block_table
 
 
 def test_graph_ladder():
-    assert graph_batch_sizes(256) == (1, 2, 4, 8, 16, *range(32, 257, 32))
-    assert graph_batch_sizes(40) == (1, 2, 4, 8, 16, 32, 40)
+    assert graph_batch_sizes(256) == (16, 32, 64, 128, 256)
+    assert graph_batch_sizes(40) == (16, 32, 40)
     assert graph_batch_sizes(1) == (1,)
-    assert graph_batch_sizes(3) == (1, 2, 3)
+    assert graph_batch_sizes(16) == (16,)
+    assert graph_batch_sizes(3) == (3,)
+
+
+@given(st.integers(1, 5000))
+def test_graph_ladder_covers_every_batch(max_num_seqs):
+    """Sorted, distinct, ending at max_num_seqs; a batch of 16+ rows pads to at most twice its rows."""
+    sizes = graph_batch_sizes(max_num_seqs)
+    assert list(sizes) == sorted(set(sizes)) and sizes[-1] == max_num_seqs and sizes[0] >= min(16, max_num_seqs)
+    assert all(b <= 2 * a for a, b in zip(sizes, sizes[1:]))
 
 
 @settings(max_examples=60, deadline=None)

@@ -60,10 +60,12 @@ def _compare_graph_steps_with_eager(runner, attr: str, uses) -> list[float]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager_on_every_decode_step(tiny_model, dtype):
-    """Each decode step's graph logits are compared with an eager forward of the same inputs."""
+    """Each decode step's graph logits are compared with an eager forward of the same inputs. Start-up
+    captured the largest batch size only; the smaller ones are captured mid-run on first use."""
     engine = _engine(tiny_model, dtype)
     runner = engine.runner
-    assert runner.graphs is not None and runner.graphs.max_batch_size == 40
+    assert runner.graphs is not None and runner.graphs.sizes == (16, 32, 40)
+    assert list(runner.graphs.graphs) == [40] and runner.graphs.captured_on_use == []
     diffs = _compare_graph_steps_with_eager(runner, "graphs", runner._uses_decode_graph)
     reqs = _requests(37, runner.vocab_size, temperature=0.0)
     results = list(engine.generate(reqs))
@@ -71,6 +73,8 @@ def test_graph_replay_equals_eager_on_every_decode_step(tiny_model, dtype):
     assert len(diffs) > 10
     tolerance = 1e-4 if dtype == "float32" else 2e-2
     assert max(diffs) < tolerance, max(diffs)
+    on_use = runner.graphs.captured_on_use
+    assert on_use and sorted(set(on_use)) == sorted(on_use) and set(on_use) <= {16, 32}, on_use
 
 
 def test_graphs_on_and_off_give_the_same_sampled_tokens(tiny_model):

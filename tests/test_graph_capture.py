@@ -216,20 +216,23 @@ def test_a_later_capture_shares_the_pool_and_is_warmed_only_when_it_fails():
     assert capturer.pool == pool
 
 
-def test_mixed_graphs_capture_a_size_the_first_time_a_step_needs_it():
-    """MixedGraphs._graph: a size without a graph is captured once (collector off meanwhile), with
-    thread_local capture errors, and recorded in captured_on_use; a size it has is only looked up."""
-    from batchinfer.engine.cuda_graphs import MixedGraphs
+@pytest.mark.parametrize("kind", ["DecodeGraphs", "MixedGraphs"])
+def test_graphs_capture_a_size_the_first_time_a_step_needs_it(kind):
+    """_graph (decode and mixed graphs alike): a size without a graph is captured once (collector off
+    meanwhile), with thread_local capture errors, its output kept, and recorded in captured_on_use; a
+    size it has is only looked up."""
+    from batchinfer.engine import cuda_graphs
 
     cuda = RecordingCuda()
-    graphs = object.__new__(MixedGraphs)  # the bookkeeping only: no device buffers on the CPU
+    graphs = object.__new__(getattr(cuda_graphs, kind))  # the bookkeeping only: no device buffers on the CPU
     graphs._capturer = GraphCapturer(cuda.run, cuda)
-    graphs.graphs, _ = capture_largest_first((512,), cuda.run, cuda=cuda, capturer=graphs._capturer)
+    graphs.graphs, graphs.outputs = capture_largest_first((512,), cuda.run, cuda=cuda, capturer=graphs._capturer)
     graphs.captured_on_use = []
     del cuda.log[:]
     assert graphs._graph(512) is graphs.graphs[512] and cuda.log == []
     g = graphs._graph(128)
     assert graphs.graphs[128] is g and graphs._graph(128) is g and graphs.captured_on_use == [128]
+    assert graphs.outputs == {512: "out-512", 128: "out-128"}
     assert [e for e in cuda.log if e[0] == "run"] == [("run", 128, "capture", True, False)]
     assert ("options", g.id, {"capture_error_mode": "thread_local"}) in cuda.log
     assert gc.isenabled()

@@ -1,8 +1,8 @@
 """CUDA graphs of whole steps, and the one way they are captured (GraphCapturer).
 
-DecodeGraphs: decode-only steps for a ladder of batch sizes, all captured at start-up; MixedGraphs:
-steps that prefill, for a ladder of padded token counts, the largest captured at start-up and the
-others on first use.
+DecodeGraphs: decode-only steps for a ladder of batch sizes; MixedGraphs: steps that prefill, for a
+ladder of padded token counts. Either captures its largest size at start-up and each other size the
+first time a step needs it (_LadderGraphs).
 
 A decode step of a small model is hundreds of tiny kernels; launched one by one from Python the
 host, not the GPU, sets the pace. Each graph replays a whole step (embedding, every layer, final
@@ -37,19 +37,19 @@ from batchinfer.attention.base import AttentionMetadata, GraphBuffers
 
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, 16, then every multiple of 32 below max_num_seqs, then max_num_seqs itself.
+    """16, 32, 64, ... (powers of two below max_num_seqs), then max_num_seqs itself (5 sizes for 256).
 
-    A padded row of a decode step attends over nothing and adds only its share of the matmuls' FLOPs,
-    and below the matmul ridge (~300 rows of a 16-bit model on an H100/H200) a decode step's matmuls
-    take the time of reading their weights whatever the rows: padding 225 rows to 256 costs about
-    nothing on a 7B shape and a few percent of the step's matmul time on a 0.6B one. Each size costs
-    ~50 ms of every start-up to capture (BENCHMARKS.md), so the ladder is as coarse as that allows:
-    13 sizes for 256 sequences (multiples of 16 made 20).
+    A padded row of a decode step attends over nothing, writes no KV and adds only its share of the
+    matmuls' FLOPs; below the matmul ridge (~300 rows of a 16-bit model on an H100/H200) a decode
+    step's matmuls take the time of reading their weights whatever the rows, so padding 129 rows to
+    256 costs about nothing on a 7B shape and a few percent of the matmul time (itself a small share
+    of a step that reads the KV of 129 sequences) on a 0.6B one. A graph costs 25-50 ms to capture
+    (BENCHMARKS.md), once per run for each size a run meets: a batch job's decode steps are nearly
+    all at max_num_seqs, and the drain at its end meets every smaller size once, so each size costs a
+    capture while the steps it saves padding are few. (1, 2, 4, 8, 16, then multiples of 32 made 13.)
     """
-    sizes = {b for b in (1, 2, 4, 8, 16) if b < max_num_seqs}
-    sizes.update(range(32, max_num_seqs, 32))
-    sizes.add(max_num_seqs)
-    return tuple(sorted(sizes))
+    sizes = {1 << k for k in range(4, max_num_seqs.bit_length()) if 1 << k < max_num_seqs}
+    return tuple(sorted(sizes | {max_num_seqs}))
 
 
 def mixed_graph_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -158,15 +158,56 @@ def capture_largest_first(
 
 
 class _LadderGraphs:
-    """What both graph kinds share: the size ladder, the model's static inputs, the backend's
-    metadata buffers, the captured graphs."""
+    """What every graph kind shares: the size ladder, the model's static inputs, the backend's
+    metadata buffers, the captured graphs, and their capture: the largest size at start-up, each
+    smaller one the first time a step runs at it (`_graph`).
+
+    Why not the whole ladder up front: every size costs a capture of every start-up (25-50 ms on an
+    H100/H200 host, BENCHMARKS.md), and a batch job's steps nearly all run at the largest size (a full
+    batch of decode rows; mixed steps filling the token budget). A smaller size is met near the run's
+    start and end, where its capture costs the same once and only if a step needs it. Subclasses
+    give `args(size)`, the body's arguments for a size (views of the static buffers).
+    """
 
     def __init__(self, sizes: tuple[int, ...], buffers: GraphBuffers, device: torch.device) -> None:
         self.sizes = sizes
         self.attention = buffers
         self.input_ids = torch.zeros(sizes[-1], dtype=torch.int64, device=device)
         self.positions = torch.zeros(sizes[-1], dtype=torch.int64, device=device)
+        self._metas = {t: buffers.meta(t) for t in sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, object] = {}  # what each size's captured body returned
+        self._capturer: GraphCapturer | None = None
+        self.captured_on_use: list[int] = []  # sizes captured by run(), in order
+
+    def args(self, t: int) -> tuple:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self, body: Callable[..., object], all_sizes: bool = False) -> None:
+        """Capture body(*args(size)) for the largest size now; the others on first use.
+        all_sizes: the whole ladder now (tests, benchmarks of one step size)."""
+        self._capturer = GraphCapturer(lambda t: body(*self.args(t)))
+        sizes = self.sizes if all_sizes else self.sizes[-1:]
+        self.graphs, self.outputs = capture_largest_first(sizes, self._capturer.run, capturer=self._capturer)
+
+    def _graph(self, t: int) -> torch.cuda.CUDAGraph:
+        """The graph of padded size t, captured now if no step has needed it yet. The step is already
+        staged: torch.cuda.graph synchronises the device before the capture, the capture only records,
+        and the replay that follows computes the staged step. thread_local: other threads' CUDA calls
+        (none of the engine's, but a host program's) neither break this capture nor are refused by it."""
+        graph = self.graphs.get(t)
+        if graph is None:
+            collecting = gc.isenabled()
+            gc.disable()  # no finaliser inside the capture (GraphCapturer)
+            try:
+                graph, self.outputs[t] = self._capturer.capture(t, capture_error_mode="thread_local")
+            finally:
+                if collecting:
+                    gc.enable()
+            self.graphs[t] = graph
+            self.captured_on_use.append(t)
+        return graph
 
     def padded_size(self, n: int) -> int:
         """The ladder size a step of n rows (or tokens) runs at (n must not exceed the largest)."""
@@ -184,31 +225,25 @@ class _LadderGraphs:
         """Release the graphs (and with the last of them, their memory pool)."""
         for graph in self.graphs.values():
             graph.reset()
-        self.graphs = {}
+        self.graphs, self.outputs = {}, {}
 
 
 class DecodeGraphs(_LadderGraphs):
     """One captured decode step per ladder size; `run(input_ids, positions, meta)` -> logits [n, V].
 
-    buffers: the attention backend's decode-only graph buffers for max_num_seqs rows.
+    buffers: the attention backend's decode-only graph buffers for max_num_seqs rows. capture(body):
+    body(input_ids, positions, meta) runs the model and returns the logits of every row.
     """
 
     def __init__(self, buffers: GraphBuffers, max_num_seqs: int, device: torch.device) -> None:
         super().__init__(graph_batch_sizes(max_num_seqs), buffers, device)
-        self.outputs: dict[int, torch.Tensor] = {}
 
     @property
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    @torch.inference_mode()
-    def capture(self, body: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]) -> None:
-        """One graph per ladder size; body(input_ids, positions, meta) runs the model and returns the
-        logits of every row."""
-        metas = {bs: self.attention.meta(bs) for bs in self.sizes}
-        self.graphs, self.outputs = capture_largest_first(
-            self.sizes, lambda bs: body(self.input_ids[:bs], self.positions[:bs], metas[bs])
-        )
+    def args(self, bs: int) -> tuple:
+        return (self.input_ids[:bs], self.positions[:bs], self._metas[bs])
 
     def fits(self, num_tokens: int, meta: AttentionMetadata, num_samples: int) -> bool:
         """Decode-only steps (every row samples) of at most the largest size."""
@@ -224,12 +259,8 @@ class DecodeGraphs(_LadderGraphs):
         The returned tensor is the graph's own output buffer: read it (sample) before the next run.
         """
         bs = self._stage_tokens(input_ids, positions, meta)
-        self.graphs[bs].replay()
+        self._graph(bs).replay()
         return self.outputs[bs][: input_ids.shape[0]]
-
-    def close(self) -> None:
-        super().close()
-        self.outputs = {}
 
 
 class MixedGraphs(_LadderGraphs):
@@ -253,46 +284,10 @@ class MixedGraphs(_LadderGraphs):
         self.max_num_seqs = max_num_seqs
         self.sample_index = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.logits = torch.empty(max_num_seqs, vocab_size, dtype=dtype, device=device)
-        self._metas = {t: buffers.meta(t) for t in self.sizes}
-        self._capturer: GraphCapturer | None = None
-        self.captured_on_use: list[int] = []  # sizes captured by run(), in order
 
     def args(self, t: int) -> tuple:
         """The body's arguments for size t: views of the static buffers."""
         return (self.input_ids[:t], self.positions[:t], self._metas[t], self.sample_index, self.logits)
-
-    @torch.inference_mode()
-    def capture(self, body, all_sizes: bool = False) -> None:
-        """One graph per padded size; body(input_ids, positions, meta, sample_index, out) runs the
-        model and the LM head of the sample_index rows into out (all sizes share it).
-
-        Only the largest size is captured now; a smaller one the first time a step runs at it (run).
-        A document job's mixed steps fill the token budget, so they replay the largest graph and only
-        a few steps near its start and end need another size: capturing the whole ladder up front
-        (18 sizes, 0.7 s of every start on the H200 host, BENCHMARKS.md) mostly made graphs that
-        never replayed. all_sizes: the whole ladder now (tests, benchmarks of one step size).
-        """
-        self._capturer = GraphCapturer(lambda t: body(*self.args(t)))
-        sizes = self.sizes if all_sizes else self.sizes[-1:]
-        self.graphs, _ = capture_largest_first(sizes, self._capturer.run, capturer=self._capturer)
-
-    def _graph(self, t: int) -> torch.cuda.CUDAGraph:
-        """The graph of padded size t, captured now if no step has needed it yet. The step is already
-        staged: torch.cuda.graph synchronises the device before the capture, the capture only records,
-        and the replay that follows computes the staged step. thread_local: other threads' CUDA calls
-        (none of the engine's, but a host program's) neither break this capture nor are refused by it."""
-        graph = self.graphs.get(t)
-        if graph is None:
-            collecting = gc.isenabled()
-            gc.disable()  # no finaliser inside the capture (GraphCapturer)
-            try:
-                graph, _ = self._capturer.capture(t, capture_error_mode="thread_local")
-            finally:
-                if collecting:
-                    gc.enable()
-            self.graphs[t] = graph
-            self.captured_on_use.append(t)
-        return graph
 
     def fits(self, num_tokens: int, meta: AttentionMetadata, num_samples: int) -> bool:
         """Whether a packed step can run as one of these graphs."""

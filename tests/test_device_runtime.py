@@ -20,3 +20,43 @@ def test_the_runtime_starts_on_a_thread_that_ends():
     assert thread is not None and thread.daemon
     thread.join(timeout=60)
     assert not thread.is_alive() and torch.cuda.is_initialized()
+
+
+def test_the_compile_key_is_hashed_once_by_one_thread_that_callers_share(monkeypatch):
+    """warm_compile_key: a second call while the hash runs returns the same thread (a caller joins it
+    instead of hashing beside it); after it ends, a new call starts a thread that ends at once."""
+    import threading
+
+    import triton.runtime.cache as cache
+
+    from batchinfer.kernels._util import warm_compile_key
+
+    release, calls = threading.Event(), []
+
+    def slow_key():
+        calls.append(1)
+        release.wait(10)
+        return "key"
+
+    monkeypatch.setattr(cache, "triton_key", slow_key)
+    first = warm_compile_key()
+    assert warm_compile_key() is first and first.is_alive() and first.daemon
+    release.set()
+    first.join(5)
+    assert not first.is_alive() and len(calls) == 1
+    second = warm_compile_key()
+    assert second is not first
+    second.join(5)
+    assert len(calls) == 2  # (the real triton_key's lru_cache answers this one at once)
+
+
+def test_starting_the_runtime_starts_the_compile_key(monkeypatch):
+    """(On a machine without CUDA the runtime's thread fails and only logs it.)"""
+    import batchinfer.engine.device_runtime as runtime
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "warm_compile_key", lambda: started.append(1))
+    thread = runtime.start_device_runtime("cuda")
+    assert thread is not None and started == [1]
+    thread.join(30)

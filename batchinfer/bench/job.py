@@ -243,6 +243,7 @@ def breakdown(phases: dict[str, Any], wall_s: float, started_unix: float | None 
         # the engine's import, and the main thread waiting for the GIL while a preflight thread holds it
         "engine_before_model_load": _gap(phases, "engine_start", "engine.model_load"),
         "model_load": spans.get("engine.model_load"),
+        "compile_key_wait": spans.get("engine.compile_key_wait"),
         "kv_cache_profile_and_alloc": spans.get("engine.kv_cache"),
         "graph_capture": (spans.get("engine.graph_capture_decode", 0.0) + spans.get("engine.graph_capture_mixed", 0.0)) or None,
         "graph_capture_decode": spans.get("engine.graph_capture_decode"),
@@ -386,7 +387,8 @@ def format_job_report(r: dict[str, Any]) -> str:
         f"  interpreter start {_f(s['interpreter_start'])}, imports {_f(s['imports'])}, job spec {_f(s['job_spec'])}, "
         f"plan {_f(s['plan_main_thread'])}",
         f"  engine start {_f(s['engine_start'])} = before the model load {_f(s.get('engine_before_model_load'))} "
-        f"(engine import; the GIL held by preflight threads) + model load {_f(s['model_load'])} + KV cache (profiling) "
+        f"(engine import; the GIL held by preflight threads) + model load {_f(s['model_load'])} + waiting for Triton's "
+        f"cache key {_f(s.get('compile_key_wait'))} + KV cache (profiling) "
         f"{_f(s['kv_cache_profile_and_alloc'])} + graph capture {_f(s['graph_capture'])} (decode {_f(s['graph_capture_decode'])}, "
         f"mixed {_f(s['graph_capture_mixed'])}) + sampling warm-up {_f(s['sampling_warm_up'])} + waiting for the tokenizer "
         f"{_f(s['engine_waits_for_tokenizer'])}",

@@ -3,7 +3,8 @@
 Creating the CUDA context and the first cuBLAS handle takes 0.4-0.5 s on an H100 host, and both let
 go of the GIL while they run (`scripts/cuda_init_probe.py`, BENCHMARKS.md). Left to the model load,
 they come after the job's start-up work that holds the GIL (the engine's imports, the tokenizer load,
-the grammar's tokenizer tables); started on a thread first, they run beside it.
+the grammar's tokenizer tables); started on a thread first, they run beside it. So does the hash of
+Triton's compiler cache key, which the first kernel launch needs.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import threading
 
 import torch
 
+from batchinfer.kernels._util import warm_compile_key
+
 log = logging.getLogger(__name__)
 
 
 def start_device_runtime(device: str) -> threading.Thread | None:
     """Start `device`'s CUDA context and cuBLAS handle on a daemon thread; returns it (None: not a CUDA
-    device, or none is available). A failure is only logged: the engine's own start reports it."""
+    device, or none is available). A failure is only logged: the engine's own start reports it.
+    Triton's compiler cache key (kernels/_util.warm_compile_key) starts hashing on a thread too: the
+    engine's first kernel launch waits for it."""
     if device == "auto":
         if not torch.cuda.is_available():
             return None
@@ -38,4 +43,5 @@ def start_device_runtime(device: str) -> threading.Thread | None:
 
     thread = threading.Thread(target=run, name="device-runtime", daemon=True)
     thread.start()
+    warm_compile_key()
     return thread

@@ -134,8 +134,7 @@ class ModelRunner:
         self.startup_spans: list[tuple[str, float, float]] = []
         t = time.perf_counter()
         self.device = resolve_device(config.device)
-        if self.device.type == "cuda":
-            warm_compile_key()  # on a thread, while the model loads (the first forward needs it)
+        compile_key = warm_compile_key() if self.device.type == "cuda" else None  # hashed while the model loads
         threads = config.torch_threads or (1 if self.device.type == "cuda" else None)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # process-wide: see EngineConfig.torch_threads
@@ -150,6 +149,9 @@ class ModelRunner:
             quantization=config.quantization, fp8_keep=config.fp8_keep,
         )
         t = self._span("model_load", t)
+        if compile_key is not None:
+            compile_key.join()  # before the first forward's first kernel launch, which needs the key
+            t = self._span("compile_key_wait", t)
         max_pos = self.info.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len {config.max_model_len} is over the model's max_position_embeddings {max_pos}")

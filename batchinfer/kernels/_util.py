@@ -35,11 +35,22 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return num_kv_heads, num_heads // num_kv_heads
 
 
+COMPILE_KEY_THREAD = "triton-key"
+
+
 def warm_compile_key() -> threading.Thread:
-    """Start computing Triton's compiler cache key on a thread. The first kernel launch of a process
-    needs it (runtime.cache.triton_key: a SHA-256 of Triton's sources and its 500 MB libtriton, then
-    kept in an lru_cache): 0.4 s on the H200 host inside the engine's first forward, on the main
-    thread. Hashing releases the GIL, so started before the model loads it costs that thread nothing."""
+    """Start computing Triton's compiler cache key on a thread, or return the one already computing it.
+
+    The first kernel launch of a process needs the key (runtime.cache.triton_key: a SHA-256 of
+    Triton's sources and its 500 MB libtriton, then kept in an lru_cache): 0.3-0.4 s on an H100
+    host. Hashing releases the GIL, so a thread started early costs the main thread nothing, and a
+    caller about to launch its first kernel joins it instead of hashing again beside it (the
+    lru_cache does not make a second caller wait: sampled on the device, both threads hashed at once,
+    BENCHMARKS.md). Once the key is computed, a new thread finds it cached and ends at once."""
+    for thread in threading.enumerate():
+        if thread.name == COMPILE_KEY_THREAD and thread.is_alive():
+            return thread
+
     def run() -> None:
         try:
             from triton.runtime.cache import triton_key
@@ -48,6 +59,6 @@ def warm_compile_key() -> threading.Thread:
         except Exception:  # noqa: BLE001 (only a head start: the first launch computes it as ever)
             pass
 
-    thread = threading.Thread(target=run, name="triton-key", daemon=True)
+    thread = threading.Thread(target=run, name=COMPILE_KEY_THREAD, daemon=True)
     thread.start()
     return thread

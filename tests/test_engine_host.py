@@ -13,18 +13,19 @@ from batchinfer.engine.model_runner import block_table
 
 
 def test_graph_ladder():
-    assert graph_batch_sizes(256) == (16, 32, 64, 128, 256)
-    assert graph_batch_sizes(40) == (16, 32, 40)
+    assert graph_batch_sizes(256) == (256,)
+    assert graph_batch_sizes(40) == (40,)
     assert graph_batch_sizes(1) == (1,)
-    assert graph_batch_sizes(16) == (16,)
-    assert graph_batch_sizes(3) == (3,)
+    assert graph_batch_sizes(300) == (256, 300)
+    assert graph_batch_sizes(1024) == (256, 512, 1024)
 
 
 @given(st.integers(1, 5000))
 def test_graph_ladder_covers_every_batch(max_num_seqs):
-    """Sorted, distinct, ending at max_num_seqs; a batch of 16+ rows pads to at most twice its rows."""
+    """Sorted, distinct, ending at max_num_seqs; nothing below 256 rows but max_num_seqs itself; a
+    batch over 256 rows pads to at most twice its rows."""
     sizes = graph_batch_sizes(max_num_seqs)
-    assert list(sizes) == sorted(set(sizes)) and sizes[-1] == max_num_seqs and sizes[0] >= min(16, max_num_seqs)
+    assert list(sizes) == sorted(set(sizes)) and sizes[-1] == max_num_seqs and sizes[0] == min(256, max_num_seqs)
     assert all(b <= 2 * a for a, b in zip(sizes, sizes[1:]))
 
 

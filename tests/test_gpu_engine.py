@@ -60,12 +60,11 @@ def _compare_graph_steps_with_eager(runner, attr: str, uses) -> list[float]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager_on_every_decode_step(tiny_model, dtype):
-    """Each decode step's graph logits are compared with an eager forward of the same inputs. Start-up
-    captured the largest batch size only; the smaller ones are captured mid-run on first use."""
+    """Each decode step's graph logits are compared with an eager forward of the same inputs. Every
+    decode step, down to the last few rows, replays the one graph of max_num_seqs rows (40)."""
     engine = _engine(tiny_model, dtype)
     runner = engine.runner
-    assert runner.graphs is not None and runner.graphs.sizes == (16, 32, 40)
-    assert list(runner.graphs.graphs) == [40] and runner.graphs.captured_on_use == []
+    assert runner.graphs is not None and runner.graphs.sizes == (40,) and list(runner.graphs.graphs) == [40]
     diffs = _compare_graph_steps_with_eager(runner, "graphs", runner._uses_decode_graph)
     reqs = _requests(37, runner.vocab_size, temperature=0.0)
     results = list(engine.generate(reqs))
@@ -73,8 +72,21 @@ def test_graph_replay_equals_eager_on_every_decode_step(tiny_model, dtype):
     assert len(diffs) > 10
     tolerance = 1e-4 if dtype == "float32" else 2e-2
     assert max(diffs) < tolerance, max(diffs)
-    on_use = runner.graphs.captured_on_use
-    assert on_use and sorted(set(on_use)) == sorted(on_use) and set(on_use) <= {16, 32}, on_use
+    assert runner.graphs.captured_on_use == []
+
+
+def test_a_decode_size_captured_on_first_use_replays_like_eager(tiny_model):
+    """Above 256 rows the decode ladder has more than one size (256, 300): start-up captures 300, and
+    the first decode step of 256 rows or fewer captures the 256-row graph mid-run (float32)."""
+    engine = _engine(tiny_model, "float32", max_num_seqs=300, num_kv_blocks=4096)
+    runner = engine.runner
+    assert runner.graphs.sizes == (256, 300) and list(runner.graphs.graphs) == [300]
+    diffs = _compare_graph_steps_with_eager(runner, "graphs", runner._uses_decode_graph)
+    reqs = _requests(290, runner.vocab_size, temperature=0.0)
+    results = list(engine.generate(reqs))
+    assert len(results) == 290 and runner.graphs.captured_on_use == [256]
+    assert len(diffs) > 10 and max(diffs) < 1e-4, max(diffs)
+    engine.allocator.check()
 
 
 def test_graphs_on_and_off_give_the_same_sampled_tokens(tiny_model):

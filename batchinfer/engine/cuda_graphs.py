@@ -29,26 +29,31 @@ from __future__ import annotations
 
 import bisect
 import gc
+import logging
+import time
 from collections.abc import Callable
 
 import torch
 
 from batchinfer.attention.base import AttentionMetadata, GraphBuffers
 
+log = logging.getLogger(__name__)
+
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """16, 32, 64, ... (powers of two below max_num_seqs), then max_num_seqs itself (5 sizes for 256).
+    """Decode graphs' batch sizes: max_num_seqs up to 256 rows; above it 256, 512, ... and max_num_seqs.
 
     A padded row of a decode step attends over nothing, writes no KV and adds only its share of the
-    matmuls' FLOPs; below the matmul ridge (~300 rows of a 16-bit model on an H100/H200) a decode
-    step's matmuls take the time of reading their weights whatever the rows, so padding 129 rows to
-    256 costs about nothing on a 7B shape and a few percent of the matmul time (itself a small share
-    of a step that reads the KV of 129 sequences) on a 0.6B one. A graph costs 25-50 ms to capture
-    (BENCHMARKS.md), once per run for each size a run meets: a batch job's decode steps are nearly
-    all at max_num_seqs, and the drain at its end meets every smaller size once, so each size costs a
-    capture while the steps it saves padding are few. (1, 2, 4, 8, 16, then multiples of 32 made 13.)
+    matmuls' FLOPs. Below the matmul ridge (~300 rows of a 16-bit model on an H100/H200) a decode
+    step's matmuls take the time of reading their weights whatever the rows, so a step of any batch
+    up to 256 rows replays the 256-row graph: that costs nothing on a 7B shape and at most ~0.2 ms of
+    GEMM time on a 0.6B one, whose decode steps at a job's end still read the KV of their rows. Each
+    other size would cost a capture: at start-up, or mid-run on first use, where it drains the
+    device and runs a Python forward beside the job's host threads (sizes 16-128 captured on first
+    use went with 0.36-0.52 s more engine-step time in a 2,000-document 0.6B job, in two A/Bs on H100
+    hosts, BENCHMARKS.md). Above 256 rows padding costs real FLOPs, so sizes double from 256.
     """
-    sizes = {1 << k for k in range(4, max_num_seqs.bit_length()) if 1 << k < max_num_seqs}
+    sizes = {256 << k for k in range(max(0, max_num_seqs.bit_length() - 8)) if 256 << k < max_num_seqs}
     return tuple(sorted(sizes | {max_num_seqs}))
 
 
@@ -200,6 +205,7 @@ class _LadderGraphs:
         if graph is None:
             collecting = gc.isenabled()
             gc.disable()  # no finaliser inside the capture (GraphCapturer)
+            start = time.perf_counter()
             try:
                 graph, self.outputs[t] = self._capturer.capture(t, capture_error_mode="thread_local")
             finally:
@@ -207,6 +213,7 @@ class _LadderGraphs:
                     gc.enable()
             self.graphs[t] = graph
             self.captured_on_use.append(t)
+            log.info("%s: size %d captured on first use in %.0f ms", type(self).__name__, t, (time.perf_counter() - start) * 1e3)
         return graph
 
     def padded_size(self, n: int) -> int:

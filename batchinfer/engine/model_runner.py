@@ -34,7 +34,7 @@ from batchinfer.attention import get_attention_backend
 from batchinfer.attention.base import AttentionMetadata, concat_aligned
 from batchinfer.engine import kv_budget, step_profile_cache
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs, VerifyGraphs, graph_batch_sizes
+from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs, VerifyGraphs
 from batchinfer.engine.kv_cache import allocate_kv_cache
 from batchinfer.engine.logprobs import StepLogprobs, step_logprobs
 from batchinfer.engine.request import SamplingParams
@@ -213,12 +213,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_sampling(self) -> None:
-        """Draw once at every ladder batch size, greedy and sampled, and apply a grammar bitmask
-        once, on logits of the LM head's dtype, so that any kernel compile or autotuning happens
-        at start-up instead of in the middle of a run."""
+        """Draw once at 1, 2, 4, ... rows and max_num_seqs, greedy and sampled, and apply a grammar
+        bitmask once, on logits of the LM head's dtype, so that the sampler's kernel variants (its
+        vocabulary split count follows the rows) load at start-up instead of in the middle of a run."""
         from batchinfer.structured.bitmask import apply_token_bitmask_
 
-        for bs in graph_batch_sizes(self.config.max_num_seqs):
+        most = self.config.max_num_seqs
+        for bs in sorted({1 << k for k in range(most.bit_length()) if 1 << k < most} | {most}):
             logits = torch.randn(bs, self.vocab_size, device=self.device, dtype=self.info.dtype)
             if bs == 1:
                 apply_token_bitmask_(logits, torch.full((1, -(-self.vocab_size // 32)), -1, dtype=torch.int32))

@@ -178,6 +178,16 @@ def run(
     _setup_logging(quiet, log_level, log_format)
     phases = PhaseTimer()
     phases.mark("cli_loaded", CLI_LOADED)
+    from batchinfer.job.executors import start_ahead
+    from batchinfer.job.spec import JobError, load_job  # (torch comes with the engine's configuration)
+
+    spec: Any = job  # the job read here, so the GPU's runtime starts beside the job layer's imports
+    try:
+        with phases.span("load_job"):
+            spec = load_job(job, set_ or [])
+        start_ahead(executor, spec)
+    except JobError:
+        pass  # run_job reads it again and fails with the same message, as a user error
     from batchinfer.job.driver import SignalHandlers, run_job
     from batchinfer.job.stop import StopRequest, Stopped, parse_duration
 
@@ -206,7 +216,8 @@ def run(
         stop = StopRequest(parse_duration(stop_after))
         handlers = SignalHandlers(stop, exit_code=EXIT_STOPPED).install()
         summary = run_job(
-            job, overrides=set_ or [], overwrite=overwrite, progress=not quiet, metrics_port=metrics_port,
+            spec, overrides=[] if spec is not job else set_ or [], overwrite=overwrite, progress=not quiet,
+            metrics_port=metrics_port,
             metrics_textfile=metrics_textfile, log_token_ids=log_token_ids, trace_dir=trace, executor=executor,
             stop=stop, progress_interval=progress_interval, phases=phases, on_summary=print_summary,
             report_page="detached" if _STANDALONE and not wait_for_report else "inline",

@@ -60,3 +60,45 @@ def test_starting_the_runtime_starts_the_compile_key(monkeypatch):
     thread = runtime.start_device_runtime("cuda")
     assert thread is not None and started == [1]
     thread.join(30)
+
+
+def test_a_start_while_one_runs_returns_that_thread(monkeypatch):
+    """The CLI starts the runtime as soon as the job is read and the local executor starts it again:
+    the second call finds the first thread instead of starting another."""
+    import threading
+
+    import batchinfer.engine.device_runtime as runtime
+
+    release = threading.Event()
+
+    def slow_device(dev):  # the CUDA context being created, until released (then it fails: no GPU here)
+        release.wait(10)
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "warm_compile_key", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", slow_device)
+    first = runtime.start_device_runtime("cuda")
+    assert first is not None and runtime.start_device_runtime("cuda") is first
+    release.set()
+    first.join(10)
+    assert not first.is_alive()
+
+
+@pytest.mark.parametrize(
+    "executor, data_parallel, starts",
+    [("local", 1, True), ("local", 2, False), ("local", "auto", False), ("data_parallel", 1, False), ("ray", 1, False)],
+)
+def test_start_ahead_starts_the_runtime_only_for_an_engine_in_this_process(monkeypatch, executor, data_parallel, starts):
+    import batchinfer.engine.device_runtime as runtime
+    from batchinfer.job.executors import start_ahead
+    from batchinfer.job.spec import JobSpec
+
+    spec = JobSpec.model_validate({
+        "model": {"path": "m"}, "input": {"path": "in.jsonl", "id_column": "id"}, "output": {"path": "out"},
+        "prompt": {"template": "{{ text }}"}, "engine": {"device": "cuda", "data_parallel": data_parallel},
+    })
+    started: list[str] = []
+    monkeypatch.setattr(runtime, "start_device_runtime", lambda device: started.append(device))
+    start_ahead(executor, spec)
+    assert started == (["cuda"] if starts else [])

@@ -69,7 +69,7 @@ def finish_and_check(job: Path, n_rows: int) -> None:
 
 
 def test_sigterm_after_a_commit_stops_gracefully_and_resumes(tiny_model, tmp_path):
-    n = 24
+    n = 96  # enough rows that a loaded host does not finish them between the first commit and the signal
     job = make_job(tmp_path, tiny_model, n)
     out = tmp_path / "out"
     p = start(job)

@@ -18,12 +18,20 @@ from batchinfer.kernels._util import warm_compile_key
 
 log = logging.getLogger(__name__)
 
+RUNTIME_THREAD = "device-runtime"
+
 
 def start_device_runtime(device: str) -> threading.Thread | None:
     """Start `device`'s CUDA context and cuBLAS handle on a daemon thread; returns it (None: not a CUDA
     device, or none is available). A failure is only logged: the engine's own start reports it.
     Triton's compiler cache key (kernels/_util.warm_compile_key) starts hashing on a thread too: the
-    engine's first kernel launch waits for it."""
+    engine's first kernel launch waits for it.
+
+    Idempotent: while a start is running, it returns that thread (the CLI starts it as soon as the
+    job is read, the local executor again in case it was not: job/executors/__init__.start_ahead)."""
+    for thread in threading.enumerate():
+        if thread.name == RUNTIME_THREAD and thread.is_alive():
+            return thread
     if device == "auto":
         if not torch.cuda.is_available():
             return None
@@ -41,7 +49,7 @@ def start_device_runtime(device: str) -> threading.Thread | None:
         except Exception as e:  # noqa: BLE001
             log.debug("starting %s's runtime ahead failed: %s", dev, e)
 
-    thread = threading.Thread(target=run, name="device-runtime", daemon=True)
+    thread = threading.Thread(target=run, name=RUNTIME_THREAD, daemon=True)
     thread.start()
     warm_compile_key()
     return thread

@@ -49,6 +49,18 @@ def _ray(spec: JobSpec) -> "Executor":
 EXECUTORS: dict[str, Callable[[JobSpec], "Executor"]] = {"local": _this_host, "data_parallel": _data_parallel, "ray": _ray}
 
 
+def start_ahead(name: str, spec: JobSpec) -> None:
+    """Start, on threads, what the executor called `name` will need first, before the caller imports
+    the rest of the run (the job layer's ~0.5 s of imports then run beside it). For `local` with one
+    engine in this process: its GPU's runtime (engine/device_runtime.py: the CUDA context, cuBLAS,
+    Triton's cache key), which its `prepare` would otherwise start only after those imports. Cheap
+    (it imports nothing of the job layer) and harmless where it does not apply: it starts nothing."""
+    if name == "local" and spec.engine.data_parallel == 1:
+        from batchinfer.engine.device_runtime import start_device_runtime
+
+        start_device_runtime(spec.engine.device)
+
+
 def executor_for(name: str, spec: JobSpec) -> "Executor":
     """The executor called `name` (`--executor`) for a job; JobError for an unknown name or one that cannot run here.
 

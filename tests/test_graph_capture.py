@@ -28,6 +28,7 @@ class _Stream:
 
 class _Graph:
     count = 0
+    cuda: "RecordingCuda"  # set by RecordingCuda
 
     def __init__(self) -> None:
         _Graph.count += 1
@@ -35,6 +36,17 @@ class _Graph:
 
     def pool(self) -> str:
         return f"pool-of-{self.id}"
+
+    def capture_begin(self, pool=None, **options) -> None:
+        cuda = self.cuda
+        cuda.log.append(("begin", self.id, pool, gc.isenabled(), cuda.current.name))
+        if options:
+            cuda.log.append(("options", self.id, options))
+        cuda.capturing = True
+
+    def capture_end(self) -> None:
+        self.cuda.capturing = False
+        self.cuda.log.append(("end", self.id))
 
 
 class RecordingCuda:
@@ -49,7 +61,8 @@ class RecordingCuda:
         self.current = self.default
         self.capturing = False
         self.fail_at = fail_at
-        self.CUDAGraph = _Graph
+        self.CUDAGraph = type("_Graph", (_Graph,), {"cuda": self})
+        self.streams_made = 0
         outer = self
 
         class _StreamContext:
@@ -62,25 +75,11 @@ class RecordingCuda:
             def __exit__(self, *exc) -> None:
                 outer.current = self.before
 
-        class _Capture:
-            def __init__(self, graph: _Graph, pool=None, **options) -> None:
-                self.graph, self.pool, self.options = graph, pool, options
-                self.capture_stream = outer.side
-
-            def __enter__(self) -> None:
-                outer.log.append(("begin", self.graph.id, self.pool, gc.isenabled()))
-                if self.options:
-                    outer.log.append(("options", self.graph.id, self.options))
-                self.before, outer.current = outer.current, outer.side
-                outer.capturing = True
-
-            def __exit__(self, *exc) -> None:
-                outer.capturing = False
-                outer.current = self.before
-                outer.log.append(("end", self.graph.id))
-
         self.stream = _StreamContext
-        self.graph = _Capture
+
+    def Stream(self) -> _Stream:  # noqa: N802 (torch.cuda's name)
+        self.streams_made += 1
+        return self.side
 
     def current_stream(self) -> _Stream:
         return self.current
@@ -199,7 +198,8 @@ def test_the_collector_stays_off_when_it_was_off():
 
 def test_a_later_capture_shares_the_pool_and_is_warmed_only_when_it_fails():
     """Sizes captured after the start-up ones (MixedGraphs on first use): the first capture's pool, no
-    warm-up unless the direct capture fails, the options passed through to torch.cuda.graph."""
+    warm-up unless the direct capture fails (and no device sync unless it warms up), the options passed
+    through to CUDAGraph.capture_begin."""
     cuda = RecordingCuda(fail_at=1, until_warm=True)
     capturer = GraphCapturer(cuda.run, cuda)
     graphs, _ = capture_largest_first((4,), cuda.run, cuda=cuda, capturer=capturer)
@@ -210,10 +210,15 @@ def test_a_later_capture_shares_the_pool_and_is_warmed_only_when_it_fails():
     assert out == "out-2" and [(e[1], e[3]) for e in cuda.log if e[0] == "run"] == [(2, True)]
     assert [e[2] for e in cuda.log if e[0] == "begin"] == [pool]
     assert ("options", graph.id, {"capture_error_mode": "thread_local"}) in cuda.log
+    # a capture only records: it neither drains the device (the step in flight) nor runs anything
+    assert ("sync",) not in cuda.log and [e[4] for e in cuda.log if e[0] == "begin"] == ["capture"]
     del cuda.log[:]
     capturer.capture(1)  # fails until warmed: warmed on the capture stream, then captured again
     assert [(e[1], e[3]) for e in cuda.log if e[0] == "run"] == [(1, True), (1, False), (1, True)]
-    assert capturer.pool == pool
+    # the failed capture, the warm-up (on the capture stream, then a sync: it ran), the capture again
+    assert [e[2] if e[0] == "run" else e[0] for e in cuda.log if e[0] in ("run", "sync")] == [
+        "capture", "capture", "sync", "capture"]
+    assert capturer.pool == pool and cuda.streams_made == 1  # one side stream for every capture
 
 
 @pytest.mark.parametrize("kind", ["DecodeGraphs", "MixedGraphs"])

@@ -28,6 +28,7 @@ that invalidates the capture; `close()` releases the graphs and their memory poo
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import logging
 import time
@@ -102,6 +103,7 @@ class GraphCapturer:
     def __init__(self, run: Callable[[int], object], cuda=torch.cuda, warm_every: bool = False) -> None:
         self.run, self.cuda, self.warm_every = run, cuda, warm_every
         self.pool = None
+        self._stream = None  # the side stream every capture records on (created on first use)
 
     def _warm(self, size: int, stream) -> None:
         cuda = self.cuda
@@ -112,16 +114,33 @@ class GraphCapturer:
         cuda.synchronize()
 
     def _attempt(self, size: int, warm_first: bool, options: dict):
-        graph = self.cuda.CUDAGraph()
-        capture = self.cuda.graph(graph, pool=self.pool, **options)
+        """One capture of run(size) on the side stream. Not torch.cuda.graph: on entry that synchronises
+        the device and empties the allocator's caches (device and pinned host). A capture only records,
+        so neither is needed, and mid-run (a size captured on first use) the first drains the step in
+        flight, which the host could have spent recording, and the second hands back cached blocks that
+        the next eager allocations then get from the driver again. A warm-up, which does run, still
+        synchronises (_warm)."""
+        cuda = self.cuda
+        if self._stream is None:
+            self._stream = cuda.Stream()
+        graph = cuda.CUDAGraph()
         if warm_first:
-            self._warm(size, capture.capture_stream)
-        with capture:
-            out = self.run(size)
+            self._warm(size, self._stream)
+        pool = () if self.pool is None else (self.pool,)
+        with cuda.stream(self._stream):
+            graph.capture_begin(*pool, **options)
+            try:
+                out = self.run(size)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the body's error is the one to report
+                    graph.capture_end()
+                raise
+            graph.capture_end()
         return graph, out
 
     def capture(self, size: int, **options) -> tuple[object, object]:
-        """(graph, what the captured run returned) for one size; options go to torch.cuda.graph."""
+        """(graph, what the captured run returned) for one size; options go to CUDAGraph.capture_begin
+        (capture_error_mode)."""
         warm_first = self.warm_every or self.pool is None
         try:
             graph, out = self._attempt(size, warm_first, options)
@@ -198,9 +217,10 @@ class _LadderGraphs:
 
     def _graph(self, t: int) -> torch.cuda.CUDAGraph:
         """The graph of padded size t, captured now if no step has needed it yet. The step is already
-        staged: torch.cuda.graph synchronises the device before the capture, the capture only records,
-        and the replay that follows computes the staged step. thread_local: other threads' CUDA calls
-        (none of the engine's, but a host program's) neither break this capture nor are refused by it."""
+        staged on the current stream; the capture only records (on the side stream, without draining
+        the step in flight), and the replay that follows, on the current stream, computes the staged
+        step. thread_local: other threads' CUDA calls (none of the engine's, but a host program's)
+        neither break this capture nor are refused by it."""
         graph = self.graphs.get(t)
         if graph is None:
             collecting = gc.isenabled()

@@ -1,4 +1,4 @@
-"""The CUDA-graph capture loop's order of operations (engine/cuda_graphs.py capture_largest_first).
+"""The CUDA-graph capture loop's order of operations (engine/cuda_graphs.py GraphCapturer.capture_sizes).
 
 A real capture needs a GPU (tests/test_gpu_engine.py). Here a recorder stands in for the torch.cuda
 module and logs every call the loop makes, so the rules the loop exists to keep are checked on the
@@ -15,7 +15,7 @@ import gc
 
 import pytest
 
-from batchinfer.engine.cuda_graphs import GraphCapturer, capture_largest_first
+from batchinfer.engine.cuda_graphs import GraphCapturer
 
 
 class _Stream:
@@ -110,7 +110,7 @@ class _Finalised:
 
 def test_the_largest_size_warms_up_on_the_capture_stream_and_the_rest_are_captured_directly():
     cuda = RecordingCuda()
-    graphs, outputs = capture_largest_first((1, 2, 4), cuda.run, cuda=cuda)
+    graphs, outputs = GraphCapturer(cuda.run, cuda).capture_sizes((1, 2, 4))
     assert sorted(graphs) == [1, 2, 4] and outputs == {4: "out-4", 2: "out-2", 1: "out-1"}
     runs = [e for e in cuda.log if e[0] == "run"]
     # largest first: its warm-up (not capturing) then its captured run; the smaller sizes captured only
@@ -129,16 +129,9 @@ def test_the_largest_size_warms_up_on_the_capture_stream_and_the_rest_are_captur
     assert cuda.log[-1] == ("sync",)
 
 
-def test_warm_every_warms_each_size_before_its_capture():
-    cuda = RecordingCuda()
-    capture_largest_first((1, 2, 4), cuda.run, cuda=cuda, warm_every=True)
-    runs = [(e[1], e[3]) for e in cuda.log if e[0] == "run"]
-    assert runs == [(4, False), (4, True), (2, False), (2, True), (1, False), (1, True)]
-
-
 def test_a_capture_that_fails_without_a_warm_up_is_warmed_and_captured_again():
     cuda = RecordingCuda(fail_at=2, until_warm=True)
-    graphs, outputs = capture_largest_first((1, 2, 4), cuda.run, cuda=cuda)
+    graphs, outputs = GraphCapturer(cuda.run, cuda).capture_sizes((1, 2, 4))
     assert sorted(graphs) == [1, 2, 4] and outputs[2] == "out-2"
     runs = [(e[1], e[3]) for e in cuda.log if e[0] == "run"]
     assert runs == [(4, False), (4, True), (2, True), (2, False), (2, True), (1, True)]
@@ -162,7 +155,7 @@ def test_no_finaliser_runs_inside_a_capture():
             _Finalised(cuda.log, f"during-{size}-{i}")
         return cuda.run(size)
 
-    capture_largest_first((8, 16), run, cuda=cuda)
+    GraphCapturer(run, cuda).capture_sizes((8, 16))
     log = list(cuda.log)  # the finalisers may log more from here on (the collector is back on)
     first_begin = next(i for i, e in enumerate(log) if e[0] == "begin")
     last_sync = max(i for i, e in enumerate(log) if e[0] == "sync")
@@ -179,7 +172,7 @@ def test_no_finaliser_runs_inside_a_capture():
 def test_a_failed_capture_names_its_size_and_turns_the_collector_back_on():
     cuda = RecordingCuda(fail_at=2)
     with pytest.raises(RuntimeError, match="capture of size 2 failed: operation not permitted"):
-        capture_largest_first((1, 2, 4), cuda.run, cuda=cuda)
+        GraphCapturer(cuda.run, cuda).capture_sizes((1, 2, 4))
     assert gc.isenabled()
     # captured without a warm-up, failed, warmed, failed again: stopped there
     assert [e[1] for e in cuda.log if e[0] == "run"] == [4, 4, 2, 2, 2]
@@ -190,7 +183,7 @@ def test_the_collector_stays_off_when_it_was_off():
     cuda = RecordingCuda()
     gc.disable()
     try:
-        capture_largest_first((1,), cuda.run, cuda=cuda)
+        GraphCapturer(cuda.run, cuda).capture_sizes((1,))
         assert not gc.isenabled()
     finally:
         gc.enable()
@@ -202,7 +195,7 @@ def test_a_later_capture_shares_the_pool_and_is_warmed_only_when_it_fails():
     through to CUDAGraph.capture_begin."""
     cuda = RecordingCuda(fail_at=1, until_warm=True)
     capturer = GraphCapturer(cuda.run, cuda)
-    graphs, _ = capture_largest_first((4,), cuda.run, cuda=cuda, capturer=capturer)
+    graphs, _ = capturer.capture_sizes((4,))
     pool = graphs[4].pool()
     assert capturer.pool == pool
     del cuda.log[:]
@@ -231,7 +224,7 @@ def test_graphs_capture_a_size_the_first_time_a_step_needs_it(kind):
     cuda = RecordingCuda()
     graphs = object.__new__(getattr(cuda_graphs, kind))  # the bookkeeping only: no device buffers on the CPU
     graphs._capturer = GraphCapturer(cuda.run, cuda)
-    graphs.graphs, graphs.outputs = capture_largest_first((512,), cuda.run, cuda=cuda, capturer=graphs._capturer)
+    graphs.graphs, graphs.outputs = graphs._capturer.capture_sizes((512,))
     graphs.captured_on_use = []
     del cuda.log[:]
     assert graphs._graph(512) is graphs.graphs[512] and cuda.log == []

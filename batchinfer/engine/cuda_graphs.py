@@ -32,7 +32,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -83,6 +83,22 @@ def ladder_size(sizes: tuple[int, ...], n: int) -> int:
     return sizes[bisect.bisect_left(sizes, n)]
 
 
+@contextlib.contextmanager
+def _collector_off(collect_first: bool = False) -> Iterator[None]:
+    """Python's garbage collector off inside the block (after one collection, with collect_first),
+    back as it was after it: a finaliser run inside a capture (another engine's graphs and pools being
+    freed) would make a CUDA call that invalidates the capture."""
+    collecting = gc.isenabled()
+    if collect_first:
+        gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 class GraphCapturer:
     """Captures run(size) into CUDA graphs that share one memory pool (only one replays at a time).
 
@@ -91,17 +107,13 @@ class GraphCapturer:
     and if that capture fails (a kernel variant that must compile first, say) it is warmed up and
     captured again; a second failure raises. Why not warm every size: a warm-up is a whole forward, and
     on a 7B model the warm-ups of the mixed-step ladder (18 sizes up to 8,192 tokens) were most of its
-    capture time. warm_every: the old rule, every size warmed first.
-
-    The caller keeps Python's garbage collector off around capture() (capture_largest_first, or
-    _LadderGraphs' capture on first use): a finaliser run mid-capture (another engine's graphs and
-    pools being freed) would make a CUDA call that invalidates the capture.
+    capture time. The garbage collector is off during every capture (_collector_off).
 
     `cuda`: the torch.cuda module (a test passes a recorder to check the order of these steps).
     """
 
-    def __init__(self, run: Callable[[int], object], cuda=torch.cuda, warm_every: bool = False) -> None:
-        self.run, self.cuda, self.warm_every = run, cuda, warm_every
+    def __init__(self, run: Callable[[int], object], cuda=torch.cuda) -> None:
+        self.run, self.cuda = run, cuda
         self.pool = None
         self._stream = None  # the side stream every capture records on (created on first use)
 
@@ -141,44 +153,33 @@ class GraphCapturer:
     def capture(self, size: int, **options) -> tuple[object, object]:
         """(graph, what the captured run returned) for one size; options go to CUDAGraph.capture_begin
         (capture_error_mode)."""
-        warm_first = self.warm_every or self.pool is None
-        try:
-            graph, out = self._attempt(size, warm_first, options)
-        except Exception as exc:
-            if warm_first:
-                raise RuntimeError(f"CUDA graph capture of size {size} failed: {exc}") from exc
+        warm_first = self.pool is None
+        with _collector_off():
             try:
-                graph, out = self._attempt(size, True, options)
-            except Exception as again:
-                raise RuntimeError(f"CUDA graph capture of size {size} failed: {again}") from again
+                graph, out = self._attempt(size, warm_first, options)
+            except Exception as exc:
+                if warm_first:
+                    raise RuntimeError(f"CUDA graph capture of size {size} failed: {exc}") from exc
+                try:
+                    graph, out = self._attempt(size, True, options)
+                except Exception as again:
+                    raise RuntimeError(f"CUDA graph capture of size {size} failed: {again}") from again
         if self.pool is None:
             self.pool = graph.pool()
         return graph, out
 
-
-def capture_largest_first(
-    sizes: tuple[int, ...], run: Callable[[int], object], cuda=torch.cuda, warm_every: bool = False,
-    capturer: GraphCapturer | None = None,
-) -> tuple[dict, dict]:
-    """For each size, largest first, capture run(size) into a CUDA graph (GraphCapturer: one shared
-    pool, the first capture warmed up). The garbage collector is off meanwhile (after one collection),
-    so no finaliser runs inside a capture. Returns {size: graph} and {size: what the captured run
-    returned}. capturer: one to capture with (its pool is then the pool of later captures too).
-    """
-    capturer = capturer or GraphCapturer(run, cuda, warm_every)
-    graphs: dict[int, object] = {}
-    outputs: dict[int, object] = {}
-    collecting = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        for size in reversed(sizes):
-            graphs[size], outputs[size] = capturer.capture(size)
-        capturer.cuda.synchronize()
-    finally:
-        if collecting:
-            gc.enable()
-    return graphs, outputs
+    def capture_sizes(self, sizes: tuple[int, ...]) -> tuple[dict, dict]:
+        """Capture every size, largest first (the first capture warmed up, the rest sharing its pool),
+        with the collector off throughout after one collection (so garbage from before, such as another
+        engine's graphs, is finalised before the first capture and nothing made meanwhile inside one).
+        Returns {size: graph} and {size: what the captured run returned}."""
+        graphs: dict[int, object] = {}
+        outputs: dict[int, object] = {}
+        with _collector_off(collect_first=True):
+            for size in reversed(sizes):
+                graphs[size], outputs[size] = self.capture(size)
+            self.cuda.synchronize()
+        return graphs, outputs
 
 
 class _LadderGraphs:
@@ -212,8 +213,7 @@ class _LadderGraphs:
         """Capture body(*args(size)) for the largest size now; the others on first use.
         all_sizes: the whole ladder now (tests, benchmarks of one step size)."""
         self._capturer = GraphCapturer(lambda t: body(*self.args(t)))
-        sizes = self.sizes if all_sizes else self.sizes[-1:]
-        self.graphs, self.outputs = capture_largest_first(sizes, self._capturer.run, capturer=self._capturer)
+        self.graphs, self.outputs = self._capturer.capture_sizes(self.sizes if all_sizes else self.sizes[-1:])
 
     def _graph(self, t: int) -> torch.cuda.CUDAGraph:
         """The graph of padded size t, captured now if no step has needed it yet. The step is already
@@ -223,14 +223,8 @@ class _LadderGraphs:
         neither break this capture nor are refused by it."""
         graph = self.graphs.get(t)
         if graph is None:
-            collecting = gc.isenabled()
-            gc.disable()  # no finaliser inside the capture (GraphCapturer)
             start = time.perf_counter()
-            try:
-                graph, self.outputs[t] = self._capturer.capture(t, capture_error_mode="thread_local")
-            finally:
-                if collecting:
-                    gc.enable()
+            graph, self.outputs[t] = self._capturer.capture(t, capture_error_mode="thread_local")
             self.graphs[t] = graph
             self.captured_on_use.append(t)
             log.info("%s: size %d captured on first use in %.0f ms", type(self).__name__, t, (time.perf_counter() - start) * 1e3)

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from batchinfer.kernels._util import warm_compile_key
+from batchinfer.kernels._util import live_thread, warm_compile_key
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,9 @@ def start_device_runtime(device: str) -> threading.Thread | None:
 
     Idempotent: while a start is running, it returns that thread (the CLI starts it as soon as the
     job is read, the local executor again in case it was not: job/executors/__init__.start_ahead)."""
-    for thread in threading.enumerate():
-        if thread.name == RUNTIME_THREAD and thread.is_alive():
-            return thread
+    running = live_thread(RUNTIME_THREAD)
+    if running is not None:
+        return running
     if device == "auto":
         if not torch.cuda.is_available():
             return None

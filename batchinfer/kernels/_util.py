@@ -1,4 +1,4 @@
-"""Small helpers shared by the kernel launchers (block sizes, dtype checks)."""
+"""Small helpers shared by the kernel launchers (block sizes, dtype checks, Triton's cache key)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 COMPILE_KEY_THREAD = "triton-key"
 
 
+def live_thread(name: str) -> threading.Thread | None:
+    """The running thread called `name`, if there is one: how a start-once helper finds its earlier start."""
+    return next((t for t in threading.enumerate() if t.name == name and t.is_alive()), None)
+
+
 def warm_compile_key() -> threading.Thread:
     """Start computing Triton's compiler cache key on a thread, or return the one already computing it.
 
@@ -47,9 +52,9 @@ def warm_compile_key() -> threading.Thread:
     caller about to launch its first kernel joins it instead of hashing again beside it (the
     lru_cache does not make a second caller wait: sampled on the device, both threads hashed at once,
     BENCHMARKS.md). Once the key is computed, a new thread finds it cached and ends at once."""
-    for thread in threading.enumerate():
-        if thread.name == COMPILE_KEY_THREAD and thread.is_alive():
-            return thread
+    running = live_thread(COMPILE_KEY_THREAD)
+    if running is not None:
+        return running
 
     def run() -> None:
         try:

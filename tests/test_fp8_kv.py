@@ -89,26 +89,6 @@ def test_decode_kernel_fp8_cache(num_heads, num_kv_heads, head_dim, block_size, 
     assert want.abs().max() < 10  # the scales were applied (stored values are ~50x the real ones)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("work", ["sequence", "balanced"])
-def test_decode_kernel_fp8_cache_with_a_16_bit_query(dtype, work):
-    """A bf16 / f16 query reads an FP8 cache in float16 (kernels/fp8_kv.py): within float16 rounding
-    of the float32 reference, and a query beyond float16's range (~1e5) stays finite, its score scale
-    folded in before the conversion."""
-    seq_lens = [1, 37, 70, 16, 200]
-    scale = 0.02
-    k_cache, v_cache, tables, gen = _fp8_context(seq_lens, 2, 32, 16, 3, scale)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    for magnitude in (1.0, 1e6) if dtype == torch.bfloat16 else (1.0,):  # (1e6 is beyond a float16 input)
-        q = (torch.randn(len(seq_lens), 8, 32, generator=gen) * magnitude / 32).to(dtype)
-        sm = 0.25 / magnitude  # scores of the same spread at either magnitude
-        got = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, sm, num_splits=2, block_n=16,
-                                                      k_scale=scale, v_scale=scale, work=work)
-        want = reference.paged_decode_attention(q.float(), k_cache, v_cache, tables, lens, sm, scale, scale)
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.parametrize("kv_bytes", sorted(decode_launch.KV_TILES))
 def test_every_kv_tile_entry_runs_and_matches_the_reference(kv_bytes):
     """Each KV_TILES entry (the decode launch's tile, warps and stages by KV element size), taken by
@@ -129,9 +109,7 @@ def test_every_kv_tile_entry_runs_and_matches_the_reference(kv_bytes):
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
-# (bf16 too: with an FP8 cache the products run in float16, kernels/fp8_kv.py; the interpreter's tl.dot is
-# wrong in bf16 only)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # (the interpreter's tl.dot is wrong in bf16)
 def test_extend_kernel_fp8_cache(dtype):
     # a full prefill, a chunk after a cached prefix, a decode token, a mid-block chunk
     seq_lens, query_lens = [70, 40, 33, 21], [70, 17, 1, 5]
@@ -142,8 +120,8 @@ def test_extend_kernel_fp8_cache(dtype):
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     got = extend_attention.paged_extend_attention(q, k_cache, v_cache, tables, lens, qsl, 70, 0.3, block_rows=32,
                                                   block_n=16, k_scale=scale, v_scale=scale)
-    want = reference.paged_attention(q.float(), k_cache, v_cache, tables, lens, qsl, 0.3, scale, scale)
-    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    want = reference.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.3, scale, scale)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=5e-3, atol=5e-3)
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 

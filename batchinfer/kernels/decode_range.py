@@ -3,8 +3,8 @@
 kernels/decode_balanced.py's balanced split).
 
 Scores are in base 2 (sm_scale_log2 holds softmax's scale times log2(e), and an FP8 cache's K
-scale); an FP8 cache is read in float16 (kernels/fp8_kv.py: the query and its score scale come
-through cache_query) and its V scale is applied by the caller. Returns (m, l, acc): the running max, the sum of
+scale); an FP8 cache widens exactly, via float32 (the interpreter's FP8 -> bf16 cast is wrong),
+and its V scale is applied by the caller. Returns (m, l, acc): the running max, the sum of
 exp2(score - m) and the unnormalised output, for the caller to normalise or to merge.
 """
 
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from batchinfer.kernels.fp8_kv import as_query_type, cache_query
 
 
 @triton.jit
@@ -23,7 +21,6 @@ def attend_range(
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    q, sm_scale_log2 = cache_query(q, k_cache_ptr, sm_scale_log2)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -37,7 +34,8 @@ def attend_range(
             k_cache_ptr + (block * s_kb + in_block * s_ks + kv_head * s_kh)[:, None] + offs_d[None, :],
             mask=kv_mask, other=0.0,
         )
-        k = as_query_type(k, q)
+        if k.dtype != q.dtype:
+            k = k.to(tl.float32).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -48,7 +46,8 @@ def attend_range(
             v_cache_ptr + (block * s_vb + in_block * s_vs + kv_head * s_vh)[:, None] + offs_d[None, :],
             mask=kv_mask, other=0.0,
         )
-        v = as_query_type(v, q)
+        if v.dtype != q.dtype:
+            v = v.to(tl.float32).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     return m_i, l_i, acc

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from batchinfer.kernels._util import check_attention_inputs, dot_precision, pow2
-from batchinfer.kernels.fp8_kv import as_query_type, cache_query
 
 LOG2E = 1.4426950408889634
 
@@ -48,9 +47,11 @@ def _attend_tile(
     else:
         k = tl.load(k_cache_ptr + k_off)
         v = tl.load(v_cache_ptr + v_off)
-    # an FP8 cache is read in the query's compute type (kernels/fp8_kv.py; its V scale applied at the end)
-    k = as_query_type(k, q)
-    v = as_query_type(v, q)
+    # an FP8 cache widens exactly (its K scale is in sm_scale_log2, its V scale applied at the end), via
+    # float32 because the interpreter's FP8 -> bf16 cast is wrong
+    if k.dtype != q.dtype:
+        k = k.to(tl.float32).to(q.dtype)
+        v = v.to(tl.float32).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
     if MASKED:
         visible = (tok[None, :] <= q_pos[:, None]) & (tok[None, :] < seq_len)
@@ -108,7 +109,6 @@ def _extend_kernel(
         q_ptr + t_idx[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :],
         mask=row_ok[:, None] & mask_d[None, :], other=0.0,
     )
-    q, sm_scale_log2 = cache_query(q, k_cache_ptr, sm_scale_log2)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)

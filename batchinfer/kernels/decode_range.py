@@ -4,8 +4,11 @@ kernels/decode_balanced.py's balanced split).
 
 Scores are in base 2 (sm_scale_log2 holds softmax's scale times log2(e), and an FP8 cache's K
 scale); an FP8 cache widens exactly, via float32 (the interpreter's FP8 -> bf16 cast is wrong),
-and its V scale is applied by the caller. Returns (m, l, acc): the running max, the sum of
-exp2(score - m) and the unnormalised output, for the caller to normalise or to merge.
+and its V scale is applied by the caller. Both shorter routes measured slower: the direct
+e4m3 -> bf16 cast (0.83-0.90x on the H200) and computing in float16 (one e4m3x2 -> f16x2
+conversion, the query converted once: 0.92x on an H100); BENCHMARKS.md, seventh and thirteenth
+sessions. Returns (m, l, acc): the running max, the sum of exp2(score - m) and the unnormalised
+output, for the caller to normalise or to merge.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ def _model_folder(model: str, cache_dir: Path) -> tuple[str, str]:
 PROFILE_ENV = "BATCHINFER_PROFILE_DIR"  # a folder: profile a window of steps into it
 PROFILE_START_ENV = "BATCHINFER_PROFILE_START"  # steps of the measured run before the window
 PROFILE_STEPS_ENV = "BATCHINFER_PROFILE_STEPS"  # steps in the window (default 5)
+# with it, the window opens at the first decode-only step of at least this many rows after those steps
+PROFILE_DECODE_ENV = "BATCHINFER_PROFILE_DECODE_ROWS"
 
 
 class StepWindowProfiler:
@@ -46,23 +48,34 @@ class StepWindowProfiler:
     and prints the CUDA table's head: where a step's time goes, on the device and on the host.
     """
 
-    def __init__(self, out_dir: Path, start_step: int = 60, num_steps: int = 5) -> None:
+    def __init__(self, out_dir: Path, start_step: int = 60, num_steps: int = 5, decode_rows: int | None = None) -> None:
+        """decode_rows: open the window at the first step from start_step on that is decode-only with
+        at least this many rows (a decode stretch's steps, not the mixed steps before it)."""
         self.out_dir, self.start_step, self.num_steps = out_dir, start_step, num_steps
+        self.decode_rows = decode_rows
         self.seen = 0
+        self.opened_at = 0  # the step after which the window opened
         self.prof: torch.profiler.profile | None = None
         self.done = False
 
-    def on_step(self, _stats) -> None:
+    def _opens(self, stats) -> bool:
+        if self.decode_rows is None:
+            return self.seen == self.start_step
+        return (self.seen >= self.start_step and getattr(stats, "num_prefill_tokens", 1) == 0
+                and getattr(stats, "num_decode_tokens", 0) >= self.decode_rows)
+
+    def on_step(self, stats) -> None:
         self.seen += 1
         if self.done:
             return
-        if self.prof is None and self.seen == self.start_step:
+        if self.prof is None and self._opens(stats):
+            self.opened_at = self.seen
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=acts, record_shapes=False)
             self.prof.start()
-        elif self.prof is not None and self.seen >= self.start_step + self.num_steps:
+        elif self.prof is not None and self.seen >= self.opened_at + self.num_steps:
             self.finish()
 
     def finish(self) -> None:
@@ -82,7 +95,7 @@ class StepWindowProfiler:
             except Exception as exc:  # no CUDA activity on a CPU run
                 tables[key] = f"({key}: {exc})"
             (self.out_dir / f"top-{key}.txt").write_text(tables[key] + "\n", encoding="utf-8")
-        print(f"profile of {self.num_steps} steps after step {self.start_step}:")
+        print(f"profile of {self.num_steps} steps after step {self.opened_at}:")
         print(tables["cuda_time_total"])
         print(tables["self_cpu_time_total"])
 
@@ -138,7 +151,8 @@ def run_throughput(
     workload (one engine of a data-parallel run); before_measure: called right before the timed run.
 
     profile_dir (or the BATCHINFER_PROFILE_DIR variable): profile a few steps of the measured run
-    (after BATCHINFER_PROFILE_START steps, default 60) into that folder.
+    (after BATCHINFER_PROFILE_START steps, default 60; with BATCHINFER_PROFILE_DECODE_ROWS=N, from the first
+    decode-only step of at least N rows after those) into that folder.
 
     speculative: ngram | grammar | ngram+grammar | oracle (engine.speculative with spec_tokens drafts);
     oracle: the workload runs plain once (untimed, its own engine) to record every request's output,
@@ -234,6 +248,7 @@ def measure_workload(
         profiler = bench.profiler = StepWindowProfiler(
             profile_dir, start_step=int(os.environ.get(PROFILE_START_ENV, "60")),
             num_steps=int(os.environ.get(PROFILE_STEPS_ENV, "5")),
+            decode_rows=int(os.environ[PROFILE_DECODE_ENV]) if os.environ.get(PROFILE_DECODE_ENV) else None,
         )
 
     jit_before = _jit_snapshot()

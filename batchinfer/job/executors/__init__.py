@@ -21,12 +21,18 @@ if TYPE_CHECKING:
     from batchinfer.job.executors.base import Executor
 
 
+def _one_engine_here(spec: JobSpec) -> bool:
+    """Whether `local` runs the job's one engine in this process (engine.data_parallel: 1), without
+    planning anything: the rule _this_host and start_ahead share."""
+    return spec.engine.data_parallel == 1
+
+
 def _this_host(spec: JobSpec) -> "Executor":
     """`local` as a user means this host: engine.data_parallel engines (one: in this process)."""
     from batchinfer.job.executors.data_parallel import DataParallelExecutor, plan_data_parallel
     from batchinfer.job.executors.local import LocalExecutor
 
-    if spec.engine.data_parallel == 1:
+    if _one_engine_here(spec):
         return LocalExecutor()
     dp = plan_data_parallel(spec)
     if dp.workers == 1 and dp.gpus is None:  # `auto` on a host without GPUs: one engine, no worker process
@@ -55,7 +61,7 @@ def start_ahead(name: str, spec: JobSpec) -> None:
     engine in this process: its GPU's runtime (engine/device_runtime.py: the CUDA context, cuBLAS,
     Triton's cache key), which its `prepare` would otherwise start only after those imports. Cheap
     (it imports nothing of the job layer) and harmless where it does not apply: it starts nothing."""
-    if name == "local" and spec.engine.data_parallel == 1:
+    if name == "local" and _one_engine_here(spec):
         from batchinfer.engine.device_runtime import start_device_runtime
 
         start_device_runtime(spec.engine.device)

@@ -61,8 +61,8 @@ class StepWindowProfiler:
     def _opens(self, stats) -> bool:
         if self.decode_rows is None:
             return self.seen == self.start_step
-        return (self.seen >= self.start_step and getattr(stats, "num_prefill_tokens", 1) == 0
-                and getattr(stats, "num_decode_tokens", 0) >= self.decode_rows)
+        return (self.seen >= self.start_step and stats.num_prefill_tokens == 0
+                and stats.num_decode_tokens >= self.decode_rows)
 
     def on_step(self, stats) -> None:
         self.seen += 1

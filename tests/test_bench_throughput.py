@@ -119,3 +119,26 @@ def test_oracle_speculation_reports_acceptance(tiny_model, tmp_path):
     # no grammar: every draft is the drafter's (reported as the oracle source)
     assert sp["sources"]["ngram"]["accepted"] == sp["accepted"] and sp["sources"]["forced"]["verified"] == 0
     assert "oracle drafts" in format_report(r)
+
+
+def test_plain_twin_runs_the_constrained_lengths_without_constraints(tiny_model, tmp_path):
+    """--plain-twin: the same prompts unconstrained, each for exactly the tokens its constrained
+    answer took; reported next to the constrained run (its share of the twin's output tok/s)."""
+    from batchinfer.bench.throughput import plain_twin_requests
+    from batchinfer.engine import Request, SamplingParams
+    from batchinfer.engine.request import Result
+    from batchinfer.structured.base import Constraint
+
+    schema = Constraint.json_schema({"type": "object"})
+    reqs = [Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=9, temperature=0.0), schema) for i in range(3)]
+    results = [Result(f"r{i}", [5, 6, 7], [1] * n, "", "stop", 3, n) for i, n in ((2, 4), (0, 7), (1, 0))]
+    twin = plain_twin_requests(reqs, results)
+    assert [(q.request_id, q.sampling.max_tokens) for q in twin] == [("twin-r0", 7), ("twin-r2", 4)]  # r1 wrote nothing
+    assert all(q.constraint is None and q.sampling.ignore_eos and q.prompt_token_ids == [5, 6, 7] for q in twin)
+
+    r = run_throughput(str(tiny_model), "docs1000-json", scale=0.02, cache_dir=tmp_path, plain_twin=True)
+    tw = r["plain_twin"]
+    assert r["errors"] == 0 and tw["requests"] == r["requests"] and tw["output_tokens"] == r["output_tokens"] > 0
+    assert tw["constrained_share"] == pytest.approx(r["output_tokens_per_s"] / tw["output_tokens_per_s"])
+    assert "plain twin (the same prompts and output lengths" in format_report(r)
+    assert run_throughput(str(tiny_model), "nano256", scale=0.02, cache_dir=tmp_path, plain_twin=True)["plain_twin"] is None

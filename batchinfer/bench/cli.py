@@ -75,6 +75,11 @@ def throughput(
     oracle_corrupt: float = typer.Option(0.0, "--oracle-corrupt", help="With --speculative oracle: share of draft tokens corrupted."),
     spec_gate: bool = typer.Option(False, "--spec-gate/--no-spec-gate",
                                    help="With --speculative: draft only where steps with drafts measure faster than plain ones."),
+    plain_twin: bool = typer.Option(
+        False, "--plain-twin/--no-plain-twin",
+        help="With a constrained workload (docs1000-json): also time the same prompts unconstrained, each for as many tokens "
+             "as its constrained answer took (what the grammar alone costs).",
+    ),
     set_: Optional[list[str]] = typer.Option(
         None, "--set", help="Set an EngineConfig field (field=value, YAML value), e.g. prefill_policy=slack; repeatable."
     ),
@@ -114,9 +119,11 @@ def throughput(
         overrides.update(engine_sets(set_ or ()))
         if speculative is not None and data_parallel not in (None, 1):
             raise ValueError("--speculative runs with one engine (no --data-parallel)")
+        if plain_twin and data_parallel not in (None, 1):
+            raise ValueError("--plain-twin runs with one engine (no --data-parallel)")
         result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir,
                                 speculative=speculative, spec_tokens=spec_tokens, oracle_corrupt=oracle_corrupt,
-                                spec_gate=spec_gate)
+                                spec_gate=spec_gate, plain_twin=plain_twin)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -10,6 +10,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -144,6 +145,7 @@ def run_throughput(
     spec_tokens: int = 4,
     oracle_corrupt: float = 0.0,
     spec_gate: bool = False,
+    plain_twin: bool = False,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
 
@@ -158,6 +160,7 @@ def run_throughput(
     oracle: the workload runs plain once (untimed, its own engine) to record every request's output,
     then the measured run drafts that output with a share oracle_corrupt of draft tokens corrupted
     (bench/oracle.py). spec_gate: speculate only where it measures faster (engine.speculative.gate).
+    plain_twin: see measure_workload.
     """
     if data_parallel not in (None, 1):
         return run_throughput_data_parallel(model, workload, data_parallel, engine_overrides, scale, cache_dir)
@@ -178,7 +181,7 @@ def run_throughput(
     try:
         return measure_workload(bench, model, workload, measure_ceilings(device), scale=scale, shard=shard, load_s=load_s,
                                 profile_dir=profile_dir, before_measure=before_measure, speculative=speculative,
-                                oracle_corrupt=oracle_corrupt)
+                                oracle_corrupt=oracle_corrupt, plain_twin=plain_twin)
     finally:
         bench.close()
 
@@ -226,9 +229,16 @@ def measure_workload(
     before_measure=None,
     speculative: str | None = None,
     oracle_corrupt: float = 0.0,
+    plain_twin: bool = False,
 ) -> dict:
     """Warm `bench`'s engine up on a few short requests, run `workload` on it timed, and return the
-    numbers (run_throughput's dict) against `ceilings` (measured once by the caller)."""
+    numbers (run_throughput's dict) against `ceilings` (measured once by the caller).
+
+    plain_twin: after a workload with constraints, also time its "plain twin" on the same engine: the
+    same prompts without their constraints, each asked for exactly as many tokens as its constrained
+    answer took (ignore_eos). Answers that end early (a JSON schema completed) decode fewer tokens per
+    prompt than the plain workload, so only the twin isolates what the grammar costs (key
+    "plain_twin")."""
     engine, cfg, steps = bench.engine, bench.cfg, bench.steps
     folder = cfg.model
     cuda = torch.cuda.is_available()
@@ -299,8 +309,8 @@ def measure_workload(
     # where the device has none; FP8 KV, a byte an element).
     floor = floor_of(info.weight_bytes, fp8_rate if fp8 else None, kv_bytes)
     floors = {"bf16": floor_of(all_params * dtype_bytes, None, dtype_bytes), "fp8": floor_of(fp8_weight_bytes, fp8_rate, 1)}
-    breakdown = step_breakdown(
-        steps,
+    breakdown_of = partial(
+        step_breakdown,
         weight_bytes=info.weight_bytes,
         kv_bytes_per_token=kv_per_token,
         block_size=cfg.block_size,
@@ -311,11 +321,15 @@ def measure_workload(
         layer_flops_per_s=fp8_rate if fp8 else None,
         step_cost=StepCost.for_model(info, ceilings, kv_bytes),
     )
+    breakdown = breakdown_of(list(steps))
     cpu_ms = [getattr(s, "schedule_ms", None) for s in steps]
     step_ms = [getattr(s, "step_ms", None) for s in steps]
     cpu_ms = [x for x in cpu_ms if x is not None]
     step_ms = [x for x in step_ms if x is not None]
     decode_steps = [s for s in steps if getattr(s, "num_prefill_tokens", 1) == 0]
+    twin = None
+    if plain_twin and any(r.constraint is not None for r in wl.requests):
+        twin = _time_plain_twin(engine, wl.requests, results, steps, breakdown_of, total_out / elapsed, cuda)
     return {
         "workload": wl.name,
         "description": wl.description,
@@ -354,9 +368,42 @@ def measure_workload(
         "speculation_gate": _gate_summary(engine),
         "grammar_masks": _grammar_masks(engine, grammar0),
         "oracle_corrupt": oracle_corrupt if speculative == "oracle" else None,
+        "plain_twin": twin,
         "kernels_compiled_during_run": compiled,
         "torch": torch.__version__,
         "python": platform.python_version(),
+    }
+
+
+def plain_twin_requests(requests, results) -> list:
+    """The plain twin of a constrained workload (measure_workload): each request that wrote tokens,
+    without its constraint, asked for exactly as many tokens (ignore_eos), under a new id."""
+    wrote = {r.request_id: r.completion_tokens for r in results}
+    return [
+        replace(q, request_id=f"twin-{q.request_id}", constraint=None,
+                sampling=replace(q.sampling, max_tokens=wrote[q.request_id], ignore_eos=True))
+        for q in requests if wrote.get(q.request_id, 0) > 0
+    ]
+
+
+def _time_plain_twin(engine, requests, results, steps, breakdown_of, constrained_tok_s: float, cuda: bool) -> dict:
+    """Run the plain twin timed on the same (warm) engine; its numbers and the constrained run's
+    output tok/s as a share of the twin's."""
+    twin = plain_twin_requests(requests, results)
+    steps.clear()
+    t0 = time.perf_counter()
+    out = list(engine.generate(twin))
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    tokens = sum(r.completion_tokens for r in out)
+    return {
+        "requests": len(twin),
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / elapsed,
+        "constrained_share": constrained_tok_s / (tokens / elapsed),
+        "step_breakdown": breakdown_of(list(steps)),
     }
 
 
@@ -562,6 +609,12 @@ def format_report(r: dict) -> str:
         if full is not None and full is not big:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in full.get("mean_host_phases_ms", {}).items())
             lines.append(f"  host ms per step in '{full['group']}' (device idle {full.get('mean_device_idle_ms', 0):.2f}): {phases}")
+    tw = r.get("plain_twin")
+    if tw:
+        full = next((g for g in tw["step_breakdown"] if g["group"] == "decode 193+ rows"), None)
+        lines.append(f"plain twin (the same prompts and output lengths, no constraint): {tw['elapsed_s']:.2f} s, "
+                     f"{tw['output_tokens_per_s']:,.0f} output tok/s; constrained = {100 * tw['constrained_share']:.1f}% of it"
+                     + (f"; its decode 193+ step {full['mean_step_ms']:.2f} ms" if full is not None else ""))
     gm = r.get("grammar_masks")
     if gm:
         total = gm["computed"] + gm["copied"] + gm["cached"]

@@ -14,6 +14,10 @@ Usage (device tool): python3 scripts/decode_shape_sweep.py [--kv bf16|fp8] [--js
     and a device copy of the same bytes (what a plain copy of that size reaches).
 Offline (no GPU): python3 scripts/decode_shape_sweep.py --report sweep.json [--markdown out.md]
   prints default / rule / best per shape x batch as % of the copy bandwidth.
+  --mode default: only the default launch, per shape x batch, once per --layouts entry (default
+    "token"): "token" is the engine's cache, [blocks, block_size, kv_heads, head_dim]; "head" keeps
+    each (block, KV head) contiguous, [blocks, kv_heads, block_size, head_dim] viewed through strides
+    as the kernels' [blocks, block_size, kv_heads, head_dim].
 """
 from __future__ import annotations
 
@@ -141,6 +145,48 @@ def recommend_kv_tiles(rows: list[dict], kv_bytes: int) -> tuple[int, int, int] 
     return best
 
 
+def layout_cache(num_blocks: int, block: int, hkv: int, d: int, layout: str, dev, dtype):
+    """A random cache [blocks, block, kv_heads, d] in `layout` (module docstring): "head" stores
+    [blocks, kv_heads, block, d] and returns its permuted view (same shape, other strides)."""
+    import torch
+
+    if layout == "token":
+        return torch.randn(num_blocks, block, hkv, d, device=dev, dtype=dtype)
+    if layout == "head":
+        return torch.randn(num_blocks, hkv, block, d, device=dev, dtype=dtype).permute(0, 2, 1, 3)
+    raise SystemExit(f"--layouts entries must be token or head, not {layout!r}")
+
+
+def default_mode(name, hq, hkv, d, batches, num_blocks, block, max_ctx, fp8, scale, copy, gen, dev, layouts, rows) -> None:
+    """--mode default: the default launch's bandwidth per batch, for each cache layout."""
+    import torch
+
+    from batchinfer.kernels.decode_attention import paged_decode_attention
+
+    sys.path.insert(0, "scripts")
+    from bench_decode_kernels import graph_time
+
+    tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(max(batches), max_ctx // block).to(dev)
+    lens_all = torch.randint(100, max_ctx + 1, (max(batches),), generator=gen, dtype=torch.int32)
+    print(f"\n== {name}: {hq} q / {hkv} kv heads (group {hq // hkv}), d {d}")
+    for layout in layouts:
+        k_cache = layout_cache(num_blocks, block, hkv, d, layout, dev, torch.bfloat16)
+        v_cache = layout_cache(num_blocks, block, hkv, d, layout, dev, torch.bfloat16)
+        if fp8:
+            k_cache, v_cache = ((c.float() / scale).to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
+        for b in batches:
+            lens = lens_all[:b].to(dev)
+            q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            kv_bytes = int(lens.sum()) * hkv * d * 2 * (1 if fp8 else 2)
+            t = graph_time(lambda: paged_decode_attention(q, k_cache, v_cache, tables[:b], lens, 0.088, out=out,
+                                                          k_scale=scale, v_scale=scale), reps=10)
+            print(f"{layout:5s} B={b:4d} {kv_bytes / t / 1e9:5.0f} GB/s ({100 * kv_bytes / t / copy:3.0f}% of copy)")
+            rows.append(dict(shape=name, layout=layout, batch=b, kv="fp8" if fp8 else "bf16", kv_bytes=kv_bytes, default_s=t))
+        k_cache = v_cache = None  # freed before the next layout's
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     args = sys.argv[1:]
     if "--report" in args:
@@ -155,6 +201,7 @@ def main() -> None:
     from bench_decode_kernels import graph_time
 
     mode = args[args.index("--mode") + 1] if "--mode" in args else "grid"
+    layouts = (args[args.index("--layouts") + 1] if "--layouts" in args else "token").split(",")
     kv = args[args.index("--kv") + 1] if "--kv" in args else "bf16"
     if kv not in ("bf16", "fp8"):
         raise SystemExit(f"--kv must be bf16 or fp8, not {kv!r}")
@@ -176,6 +223,9 @@ def main() -> None:
             continue
         max_b = max(batches)
         num_blocks = max_b * max_ctx // block
+        if mode == "default":
+            default_mode(name, hq, hkv, d, batches, num_blocks, block, max_ctx, fp8, scale, copy, gen, dev, layouts, rows)
+            continue
         k_cache = torch.randn(num_blocks, block, hkv, d, device=dev, dtype=torch.bfloat16)
         v_cache = torch.randn_like(k_cache)
         if fp8:

@@ -101,6 +101,22 @@ def test_graphs_on_and_off_give_the_same_sampled_tokens(tiny_model):
     assert same >= 20, f"only {same}/21 requests identical"
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_head_major_kv_cache_gives_the_token_major_tokens(tiny_model, kv_dtype):
+    """float32, greedy, graphs on, prefix sharing on: kv_cache_layout head and token give the same
+    tokens (the same values in the cache, read in another order), FP8 cache too."""
+    outs = []
+    for layout in ("token", "head"):
+        engine = _engine(tiny_model, "float32", kv_cache_layout=layout, kv_cache_dtype=kv_dtype, enable_prefix_sharing=True)
+        assert engine.runner.kv_layout == layout
+        reqs = _requests(21, engine.runner.vocab_size, seed=4)
+        reqs += [Request(f"p{i}", reqs[0].prompt_token_ids * 2, reqs[0].sampling) for i in range(3)]  # shared prefixes
+        outs.append({r.request_id: r.output_token_ids for r in engine.generate(reqs)})
+        del engine
+        gc.collect()
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_tokens_are_argmax_under_transformers(tiny_model, dtype):
     """Teacher-forced check of the GPU engine's greedy output against transformers in float32:

@@ -230,6 +230,29 @@ def test_triton_backend_matches_torch_backend_over_steps():
     torch.testing.assert_close(torch.nan_to_num(kc_t, 9.0), torch.nan_to_num(kc_r, 9.0))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_triton_backend_reads_and_writes_a_head_major_cache(kv_dtype):
+    """The same steps as above on a head-major cache (engine kv_cache_layout "head": each KV head's
+    block contiguous, seen through strides) give the torch backend's outputs on the usual layout,
+    and the written cache holds the same values as a token-major one."""
+    from batchinfer.attention.torch_backend import TorchAttentionBackend
+    from batchinfer.engine.kv_cache import allocate_kv_cache
+
+    paged_batch = pytest.importorskip("paged_batch")
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    (kc_h, vc_h), = allocate_kv_cache(1, 40, block_size, num_kv_heads, head_dim, kv_dtype, "cpu", layout="head")
+    (kc_t, vc_t), = allocate_kv_cache(1, 40, block_size, num_kv_heads, head_dim, kv_dtype, "cpu", layout="token")
+    assert kc_h.shape == kc_t.shape and kc_h.stride() != kc_t.stride()
+    assert kc_h.stride(1) == head_dim  # one head's slots of a block side by side
+    for c in (kc_h, vc_h, kc_t, vc_t):  # NaN: a read of an unwritten slot poisons the output
+        c.view(torch.uint8).fill_(0x7F) if kv_dtype == torch.float8_e4m3fn else c.fill_(float("nan"))  # 0x7F: e4m3 NaN
+    triton_backend = TritonAttentionBackend(decode_splits=4, decode_block_n=16, extend_block_rows=16, extend_block_n=16)
+    paged_batch.compare_backends_over_steps(triton_backend, TorchAttentionBackend(), (kc_h, vc_h), (kc_t, vc_t), num_heads,
+                                            num_kv_heads, head_dim, block_size)
+    for head_major, token_major in ((kc_h, kc_t), (vc_h, vc_t)):
+        torch.testing.assert_close(torch.nan_to_num(head_major.float(), 9.0), torch.nan_to_num(token_major.float(), 9.0))
+
+
 @pytest.mark.parametrize("query_lens,work", [([1, 1, 1, 5, 12], "sequence"), ([1, 7], "sequence"), ([4, 1, 1], "sequence"),
                                              ([1, 1], "sequence"), ([1, 1, 1, 5, 12], "balanced"), ([1, 1], "balanced")])
 def test_triton_backend_mixed_step_splits_decode_rows(query_lens, work):

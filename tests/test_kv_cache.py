@@ -105,3 +105,31 @@ def test_cache_tensors_are_views_of_one_allocation():
     k0[1, 2].fill_(1.0)
     assert caches[1][0].abs().sum() == 0 and v0.abs().sum() == 0 and k0.sum() == 2 * 8
     assert kv_block_bytes(3, 4, 2, 8, torch.float32) == 2 * 3 * 4 * 2 * 8 * 4
+
+
+def test_head_major_layout_keeps_each_heads_block_contiguous():
+    """kv_cache_layout "head": the same [blocks, block_size, kv_heads, head_dim] view, but one KV
+    head's slots of a block lie side by side (block_size x head_dim elements in one run)."""
+    caches = allocate_kv_cache(2, num_blocks=5, block_size=4, num_kv_heads=3, head_dim=8, dtype=torch.float32,
+                               device="cpu", layout="head")
+    k0, v0 = caches[0]
+    assert k0.shape == (5, 4, 3, 8) and k0.stride() == (3 * 4 * 8, 8, 4 * 8, 1)
+    k0.zero_()
+    v0.zero_()
+    k0[2, :, 1] = torch.arange(32, dtype=torch.float32).view(4, 8)  # block 2, head 1: every slot
+    run = k0[2].permute(1, 0, 2)[1].reshape(-1)  # head 1's run of the block
+    assert torch.equal(run, torch.arange(32, dtype=torch.float32)) and k0.sum() == run.sum() and v0.abs().sum() == 0
+    with pytest.raises(ValueError, match="layout"):
+        allocate_kv_cache(1, 2, 4, 1, 8, torch.float32, "cpu", layout="blocks")
+
+
+def test_kv_layout_choice_follows_the_attention_backend():
+    from batchinfer.engine.config import EngineConfig
+    from batchinfer.engine.kv_cache import choose_kv_layout
+
+    assert choose_kv_layout("auto", ("token", "head"), "triton") == "token"
+    assert choose_kv_layout("head", ("token", "head"), "triton") == "head"
+    with pytest.raises(ValueError, match="torch attention backend"):
+        choose_kv_layout("head", ("token",), "torch")
+    with pytest.raises(ValueError, match="kv_cache_layout"):
+        EngineConfig(model="m", kv_cache_layout="rows")

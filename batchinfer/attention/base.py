@@ -6,7 +6,9 @@ sequence b owns the query tokens query_start_loc[b]:query_start_loc[b+1], which 
 positions of its context of seq_lens[b] tokens (a prefill chunk, or one decode token). Its KV lives
 in the paged cache at blocks block_tables[b, :ceil(seq_lens[b]/block_size)].
 
-KV cache per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+KV cache per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim], in
+memory either that way or head-major ([num_blocks, num_kv_heads, block_size, head_dim] seen through
+strides: engine/kv_cache.KV_LAYOUTS); a backend lists the layouts it reads in `cache_layouts`.
 The slot of a token is block_id * block_size + offset_in_block; slot_mapping[t] is where token
 t's K and V are written (-1: do not write, e.g. padding in a CUDA graph).
 
@@ -86,6 +88,7 @@ class AttentionBackend(Protocol):
 
     name: str
     graph_safe: bool  # forward has no host syncs and fixed launch shapes per graph buffers: capturable
+    cache_layouts: tuple[str, ...]  # KV cache layouts it reads (engine/kv_cache.KV_LAYOUTS), preferred first
 
     def build_metadata(
         self,

@@ -166,6 +166,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     graph_safe = False  # loops over sequences on the host (query_lens_cpu): nothing to capture
+    cache_layouts = ("token",)  # reads and writes through a flat [slots, kv_heads, head_dim] view
 
     def __init__(self, kv_scale: float = 1.0) -> None:
         self.kv_scale = kv_scale

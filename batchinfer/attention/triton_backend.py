@@ -52,6 +52,7 @@ class TritonAttentionBackend:
     kv_scale: float = 1.0
     name: ClassVar[str] = "triton"
     graph_safe: ClassVar[bool] = True
+    cache_layouts: ClassVar[tuple[str, ...]] = ("token", "head")  # the kernels index the cache by strides
 
     @property
     def tile_tokens(self) -> int:

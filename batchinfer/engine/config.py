@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from batchinfer.engine.kv_cache import KV_LAYOUTS
 from batchinfer.engine.speculative import SpeculativeConfig
 from batchinfer.models.quant import check_keep_patterns
 
@@ -42,6 +43,11 @@ class EngineConfig:
         a V scale per layer, calibrated at engine start from one forward over a short fixed text
         (amax x 2 / 448; engine/kv_calibration.py), logged and kept as Engine.kv_scales. Ignored
         with kv_cache_dtype auto.
+    kv_cache_layout: auto | token | head, how a KV block is laid out in memory. token: [block_size,
+        kv_heads, head_dim], a token's heads side by side; head: [kv_heads, block_size, head_dim], each
+        KV head's keys of a block contiguous (whole blocks of one head stream from memory in one run).
+        Kernels see both as [blocks, block_size, kv_heads, head_dim] through strides. auto: the
+        attention backend's first choice (AttentionBackend.cache_layouts).
     num_kv_blocks: force this many KV blocks (tests; overrides both sizes above).
     enable_prefix_sharing: share KV blocks of identical full-block prefixes between sequences.
     attention_backend: auto | torch | triton | triton-balanced (auto: triton on a GPU, torch on CPU;
@@ -101,6 +107,7 @@ class EngineConfig:
     kv_cache_gib: float = 1.0
     kv_cache_dtype: str = "auto"
     kv_cache_scale: float | Literal["auto"] = 1.0
+    kv_cache_layout: str = "auto"
     num_kv_blocks: int | None = None
     enable_prefix_sharing: bool = True
     attention_backend: str = "auto"
@@ -141,6 +148,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be safetensors or random, not {self.load_format!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, not {self.kv_cache_dtype!r}")
+        if self.kv_cache_layout not in ("auto",) + KV_LAYOUTS:
+            raise ValueError(f"kv_cache_layout must be auto, {' or '.join(KV_LAYOUTS)}, not {self.kv_cache_layout!r}")
         if self.kv_cache_scale != "auto" and (isinstance(self.kv_cache_scale, (str, bool)) or not self.kv_cache_scale > 0):
             raise ValueError(f"kv_cache_scale must be > 0 or auto, not {self.kv_cache_scale!r}")
         if self.max_num_seqs < 1:

@@ -17,6 +17,11 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
+# How a block's K (or V) is laid out (EngineConfig.kv_cache_layout): "token" [block_size, kv_heads,
+# head_dim], "head" [kv_heads, block_size, head_dim]; both are seen as [blocks, block_size, kv_heads,
+# head_dim] (the second through strides).
+KV_LAYOUTS = ("token", "head")
+
 
 def hash_block(prev_hash: bytes | None, token_ids: Seq[int]) -> bytes:
     """Hash of one full block: its token ids chained with the hash of the block before it."""
@@ -105,6 +110,17 @@ class BlockAllocator:
             assert self.refcounts[b] > 0 and self._block_hash[b] == h, f"hash table points at free block {b}"
 
 
+def choose_kv_layout(asked: str, backend_layouts: Seq[str], backend_name: str) -> str:
+    """The KV cache layout to allocate: `asked` (EngineConfig.kv_cache_layout), or for "auto" the
+    attention backend's first choice; a layout the backend cannot read is refused by name."""
+    if asked == "auto":
+        return backend_layouts[0]
+    if asked not in backend_layouts:
+        raise ValueError(f"kv_cache_layout {asked!r} is not one the {backend_name} attention backend reads "
+                         f"({', '.join(backend_layouts)})")
+    return asked
+
+
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers, K and V."""
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -119,16 +135,25 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    layout: str = "token",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One tensor [layers, 2, blocks, block_size, kv_heads, head_dim], viewed as (k, v) per layer.
+    """One tensor [layers, 2, blocks, block_size, kv_heads, head_dim], viewed as (k, v) per layer;
+    with layout "head" it is [layers, 2, blocks, kv_heads, block_size, head_dim] and each layer's k
+    and v are views of it with that shape's strides permuted into [blocks, block_size, kv_heads,
+    head_dim] (kernels that index by strides read either; KV_LAYOUTS).
 
     Zeroed on GPUs (cheap there; a kernel's masked lanes then never meet NaN garbage). On the CPU it
     is left uninitialised so a large cache costs no time or resident memory until it is used: a slot
     is only ever read after it was written.
     """
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"KV cache layout must be one of {KV_LAYOUTS}, not {layout!r}")
+    head = layout == "head"
+    shape = (num_layers, 2, num_blocks) + ((num_kv_heads, block_size) if head else (block_size, num_kv_heads)) + (head_dim,)
     if torch.device(device).type == "cpu":
         cache = torch.empty(shape, dtype=dtype, device=device)
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)
+    if head:
+        cache = cache.permute(0, 1, 2, 4, 3, 5)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

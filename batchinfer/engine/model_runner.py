@@ -35,7 +35,7 @@ from batchinfer.attention.base import AttentionMetadata, concat_aligned
 from batchinfer.engine import kv_budget, step_profile_cache
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, MixedGraphs, VerifyGraphs
-from batchinfer.engine.kv_cache import allocate_kv_cache
+from batchinfer.engine.kv_cache import allocate_kv_cache, choose_kv_layout
 from batchinfer.engine.logprobs import StepLogprobs, step_logprobs
 from batchinfer.engine.request import SamplingParams
 from batchinfer.engine.sampler import SamplingBatch, ban_tokens_, make_sampling_batch, sample
@@ -144,6 +144,7 @@ class ModelRunner:
         self.attention = get_attention_backend(
             config.attention_backend, self.device, shape.num_heads // shape.num_kv_heads, kv_scale=fixed_scale
         )
+        self.kv_layout = choose_kv_layout(config.kv_cache_layout, self.attention.cache_layouts, self.attention.name)
         self.model, self.info = load_model(
             config.model, config.dtype, self.device, self.attention, load_format=config.load_format,
             quantization=config.quantization, fp8_keep=config.fp8_keep,
@@ -261,7 +262,8 @@ class ModelRunner:
     def _allocate(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         i = self.info
         dtype = kv_budget.kv_cache_dtype(self.config, i)
-        return allocate_kv_cache(i.num_layers, num_blocks, self.block_size, i.num_kv_heads, i.head_dim, dtype, self.device)
+        return allocate_kv_cache(i.num_layers, num_blocks, self.block_size, i.num_kv_heads, i.head_dim, dtype, self.device,
+                                 self.kv_layout)
 
     def _num_blocks(self) -> int:
         """num_kv_blocks if given; else the CPU budget or the GPU's free memory after profiling
@@ -339,7 +341,8 @@ class ModelRunner:
         bounds = np.cumsum([0] + [-(-n // self.block_size) for n in lens]).tolist()
         tables = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
         i = self.info
-        caches = allocate_kv_cache(i.num_layers, bounds[-1], self.block_size, i.num_kv_heads, i.head_dim, i.dtype, self.device)
+        caches = allocate_kv_cache(i.num_layers, bounds[-1], self.block_size, i.num_kv_heads, i.head_dim, i.dtype, self.device,
+                                   self.kv_layout)
 
         def run():
             batch = self._pack([0] * len(lens), lens, ids, tables, [False] * len(lens))

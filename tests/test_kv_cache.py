@@ -127,7 +127,7 @@ def test_kv_layout_choice_follows_the_attention_backend():
     from batchinfer.engine.config import EngineConfig
     from batchinfer.engine.kv_cache import choose_kv_layout
 
-    assert choose_kv_layout("auto", ("token", "head"), "triton") == "token"
+    assert choose_kv_layout("auto", ("head", "token"), "triton") == "head"
     assert choose_kv_layout("head", ("token", "head"), "triton") == "head"
     with pytest.raises(ValueError, match="torch attention backend"):
         choose_kv_layout("head", ("token",), "torch")

@@ -52,7 +52,9 @@ class TritonAttentionBackend:
     kv_scale: float = 1.0
     name: ClassVar[str] = "triton"
     graph_safe: ClassVar[bool] = True
-    cache_layouts: ClassVar[tuple[str, ...]] = ("token", "head")  # the kernels index the cache by strides
+    # the kernels index the cache by strides; head-major first: each (block, KV head) is one contiguous
+    # run of block_size x head_dim elements for the decode kernel to stream (BENCHMARKS.md, fourteenth session)
+    cache_layouts: ClassVar[tuple[str, ...]] = ("head", "token")
 
     @property
     def tile_tokens(self) -> int:

@@ -142,3 +142,19 @@ def test_plain_twin_runs_the_constrained_lengths_without_constraints(tiny_model,
     assert tw["constrained_share"] == pytest.approx(r["output_tokens_per_s"] / tw["output_tokens_per_s"])
     assert "plain twin (the same prompts and output lengths" in format_report(r)
     assert run_throughput(str(tiny_model), "nano256", scale=0.02, cache_dir=tmp_path, plain_twin=True)["plain_twin"] is None
+
+
+def test_graph_sizes_captured_mid_run_are_counted_and_reported(tiny_model, tmp_path):
+    """The report says how many CUDA graph sizes a measured run captured on first use (each a
+    capture inside that run's time; a plain twin run after it on the same engine finds them ready)."""
+    from types import SimpleNamespace
+
+    from batchinfer.bench.throughput import graphs_captured_on_use
+
+    runner = SimpleNamespace(graphs=SimpleNamespace(captured_on_use=[256, 64]), mixed_graphs=None,
+                             verify_graphs=SimpleNamespace(captured_on_use=[512]))
+    assert graphs_captured_on_use(runner) == 3
+    r = run_throughput(str(tiny_model), "nano256", scale=0.02, cache_dir=tmp_path)
+    assert r["graphs_captured_during_run"] == 0  # the CPU runs no graphs
+    r["graphs_captured_during_run"] = 5
+    assert "CUDA graph sizes captured on first use during the measured run: 5" in format_report(r)

@@ -110,6 +110,12 @@ def _jit_snapshot() -> dict | None:
         return None
 
 
+def graphs_captured_on_use(runner) -> int:
+    """How many CUDA graph sizes (decode, mixed, verify) the runner has captured on first use, mid-run
+    (engine/cuda_graphs.py; each costs a capture, ~25-70 ms on an H100/H200 host, in the step that meets it)."""
+    return sum(len(g.captured_on_use) for g in (runner.graphs, runner.mixed_graphs, runner.verify_graphs) if g is not None)
+
+
 def _jit_compiled_since(before: dict | None) -> dict | None:
     if before is None:
         return None
@@ -262,6 +268,7 @@ def measure_workload(
         )
 
     jit_before = _jit_snapshot()
+    graphs_before = graphs_captured_on_use(engine.runner)
     if before_measure is not None:
         before_measure()
     grammar0 = _grammar_counts(engine)
@@ -274,6 +281,7 @@ def measure_workload(
         profiler.finish()
         bench.profiler = None
     compiled = _jit_compiled_since(jit_before)
+    graphs_captured = graphs_captured_on_use(engine.runner) - graphs_before
 
     ok = [r for r in results if r.finish_reason != "error"]
     prompt_lens = [r.prompt_tokens for r in ok]
@@ -370,6 +378,7 @@ def measure_workload(
         "oracle_corrupt": oracle_corrupt if speculative == "oracle" else None,
         "plain_twin": twin,
         "kernels_compiled_during_run": compiled,
+        "graphs_captured_during_run": graphs_captured,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -391,6 +400,7 @@ def _time_plain_twin(engine, requests, results, steps, breakdown_of, constrained
     output tok/s as a share of the twin's."""
     twin = plain_twin_requests(requests, results)
     steps.clear()
+    graphs_before = graphs_captured_on_use(engine.runner)
     t0 = time.perf_counter()
     out = list(engine.generate(twin))
     if cuda:
@@ -403,6 +413,7 @@ def _time_plain_twin(engine, requests, results, steps, breakdown_of, constrained
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / elapsed,
         "constrained_share": constrained_tok_s / (tokens / elapsed),
+        "graphs_captured_during_run": graphs_captured_on_use(engine.runner) - graphs_before,
         "step_breakdown": breakdown_of(list(steps)),
     }
 
@@ -590,6 +601,9 @@ def format_report(r: dict) -> str:
                 f"  {label:>14} drafts: drafted {c['drafted']:,}, verified {c['verified']:,}, accepted {c['accepted']:,} "
                 f"(acceptance {fmt(c['acceptance'])}); accepted tokens per sequence per forward {fmt(c['accepted_per_decode_row'])}"
             )
+    if r.get("graphs_captured_during_run"):
+        lines.append(f"CUDA graph sizes captured on first use during the measured run: {r['graphs_captured_during_run']}"
+                     + (" (the plain twin, run after it on the same engine, found them ready)" if r.get("plain_twin") else ""))
     if r.get("kernels_compiled_during_run"):
         lines.append("Triton kernels compiled during the measured run (each costs ~1 s): "
                      + ", ".join(f"{k} x{n}" for k, n in r["kernels_compiled_during_run"].items()))
@@ -614,7 +628,8 @@ def format_report(r: dict) -> str:
         full = next((g for g in tw["step_breakdown"] if g["group"] == "decode 193+ rows"), None)
         lines.append(f"plain twin (the same prompts and output lengths, no constraint): {tw['elapsed_s']:.2f} s, "
                      f"{tw['output_tokens_per_s']:,.0f} output tok/s; constrained = {100 * tw['constrained_share']:.1f}% of it"
-                     + (f"; its decode 193+ step {full['mean_step_ms']:.2f} ms" if full is not None else ""))
+                     + (f"; its decode 193+ step {full['mean_step_ms']:.2f} ms" if full is not None else "")
+                     + (f"; graph sizes captured during it {tw['graphs_captured_during_run']}" if tw["graphs_captured_during_run"] else ""))
     gm = r.get("grammar_masks")
     if gm:
         total = gm["computed"] + gm["copied"] + gm["cached"]

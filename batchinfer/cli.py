@@ -45,13 +45,14 @@ SetOpt = typer.Option(None, "--set", help="override a field: key.path=value (YAM
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean the user's job, data or model is wrong (exit 2)."""
     from batchinfer.convert.gguf_file import GGUFError
+    from batchinfer.engine.kv_cache import KVLayoutError
     from batchinfer.io.readers import InputError
     from batchinfer.io.store import StoreError
     from batchinfer.job.spec import JobError
     from batchinfer.models.loader import ModelLoadError
     from batchinfer.structured.base import GrammarError
 
-    return (JobError, InputError, ModelLoadError, GrammarError, StoreError, GGUFError)
+    return (JobError, InputError, ModelLoadError, GrammarError, StoreError, GGUFError, KVLayoutError)
 
 
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

@@ -1,5 +1,6 @@
 """Errors a user can cause exit 2 with one line naming the field, file or spot: a GPU asked for and
-absent, an output folder that cannot be written, a YAML syntax error (file:line:column)."""
+absent, an output folder that cannot be written, a YAML syntax error (file:line:column), a KV cache
+layout the attention backend cannot read."""
 
 from __future__ import annotations
 
@@ -88,3 +89,15 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
     bad.write_text("model: m\noutput: {path: out, rows_per_part: [1\nprompt: x\n")
     line = one_line_error(runner.invoke(app, ["validate", str(bad)]))
     assert f"{bad}:3:7: not valid YAML" in line and "flow sequence" in line
+
+
+def test_kv_cache_layout_the_attention_backend_cannot_read(tiny_model, tmp_path):
+    """engine.kv_cache_layout head on the CPU's torch attention backend (it reads token only), and
+    a layout that does not exist: one line naming the field, exit 2."""
+    job = make_job(tmp_path, tiny_model, engine={"kv_cache_layout": "head"})
+    line = one_line_error(runner.invoke(app, ["run", str(job)]))
+    assert "kv_cache_layout 'head'" in line and "torch attention backend" in line
+    job = make_job(tmp_path, tiny_model, engine={"kv_cache_layout": "rows"})
+    res = runner.invoke(app, ["run", str(job)])  # refused with the job file's other field errors
+    assert res.exit_code == 2 and "kv_cache_layout must be auto, token or head, not 'rows'" in res.stderr, res.output
+    assert "Traceback" not in res.output

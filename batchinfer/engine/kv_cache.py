@@ -110,14 +110,18 @@ class BlockAllocator:
             assert self.refcounts[b] > 0 and self._block_hash[b] == h, f"hash table points at free block {b}"
 
 
+class KVLayoutError(ValueError):
+    """engine.kv_cache_layout names a layout the attention backend in use cannot read (a user's setting)."""
+
+
 def choose_kv_layout(asked: str, backend_layouts: Seq[str], backend_name: str) -> str:
     """The KV cache layout to allocate: `asked` (EngineConfig.kv_cache_layout), or for "auto" the
     attention backend's first choice; a layout the backend cannot read is refused by name."""
     if asked == "auto":
         return backend_layouts[0]
     if asked not in backend_layouts:
-        raise ValueError(f"kv_cache_layout {asked!r} is not one the {backend_name} attention backend reads "
-                         f"({', '.join(backend_layouts)})")
+        raise KVLayoutError(f"engine.kv_cache_layout {asked!r} is not one the {backend_name} attention backend reads "
+                            f"({', '.join(backend_layouts)})")
     return asked
 
 

@@ -158,3 +158,39 @@ def test_graph_sizes_captured_mid_run_are_counted_and_reported(tiny_model, tmp_p
     assert r["graphs_captured_during_run"] == 0  # the CPU runs no graphs
     r["graphs_captured_during_run"] = 5
     assert "CUDA graph sizes captured on first use during the measured run: 5" in format_report(r)
+
+
+def test_decode_only_rate_counts_emitted_tokens_of_verify_steps():
+    """Issue 15's measure: output tokens of the decode-only steps over their time; a verify step
+    counts the tokens it emitted (spec_emitted), a plain step one per decoding row, prefill steps
+    and steps that only drained the one before none."""
+    from dataclasses import replace
+
+    from batchinfer.bench.throughput import decode_only_rate
+
+    plain = stats(1, 0, 200, 10, 5.0)
+    verify = replace(stats(2, 0, 1000, 10, 10.0), spec_decode_rows=200, spec_emitted=700)
+    mixed = stats(3, 300, 100, 10, 20.0)
+    drained = stats(4, 0, 0, 10, 1.0)
+    r = decode_only_rate([plain, verify, mixed, drained])
+    assert r == {"steps": 2, "output_tokens": 900, "seconds": 0.015, "output_tokens_per_s": pytest.approx(60_000)}
+    assert decode_only_rate([mixed]) is None
+
+
+def test_plain_twin_leaves_the_constrained_runs_numbers_alone(tiny_model, tmp_path, monkeypatch):
+    """The twin runs after the constrained run's report is made: the steps it records (into the same
+    list) do not leak into that report's counts."""
+    import batchinfer.bench.throughput as tp
+
+    def fake_twin(engine, requests, results, steps, breakdown_of, rate, cuda):
+        steps[:] = [stats(i, 0, 1, 1, 1.0) for i in range(99)]
+        return {"step_breakdown": [], "elapsed_s": 1.0, "output_tokens_per_s": 1.0, "constrained_share": 1.0,
+                "graphs_captured_during_run": 0}
+
+    alone = run_throughput(str(tiny_model), "docs1000-json", scale=0.02, cache_dir=tmp_path)
+    monkeypatch.setattr(tp, "_time_plain_twin", fake_twin)
+    with_twin = run_throughput(str(tiny_model), "docs1000-json", scale=0.02, cache_dir=tmp_path, plain_twin=True)
+    for key in ("steps", "decode_steps", "output_tokens", "prefill_limited_steps"):
+        assert with_twin[key] == alone[key], key
+    for key in ("steps", "output_tokens"):
+        assert with_twin["decode_only"][key] == alone["decode_only"][key], key

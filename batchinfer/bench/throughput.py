@@ -335,12 +335,7 @@ def measure_workload(
     cpu_ms = [x for x in cpu_ms if x is not None]
     step_ms = [x for x in step_ms if x is not None]
     decode_steps = [s for s in steps if getattr(s, "num_prefill_tokens", 1) == 0]
-    twin = None
-    if plain_twin and any(r.constraint is not None for r in wl.requests):
-        # every token written, error rows' too (the twin writes them all): like for like
-        written = sum(r.completion_tokens for r in results)
-        twin = _time_plain_twin(engine, wl.requests, results, steps, breakdown_of, written / elapsed, cuda)
-    return {
+    report = {
         "workload": wl.name,
         "description": wl.description,
         "model": model,
@@ -374,16 +369,22 @@ def measure_workload(
         "step_ms_mean": statistics.fmean(step_ms) if step_ms else None,
         "cpu_share_of_step": (sum(cpu_ms) / sum(step_ms)) if cpu_ms and step_ms and sum(step_ms) > 0 else None,
         "step_breakdown": breakdown,
+        "decode_only": decode_only_rate(steps),
         "speculative": spec_summary(steps) if cfg.speculative is not None else None,
         "speculation_gate": _gate_summary(engine),
         "grammar_masks": _grammar_masks(engine, grammar0),
         "oracle_corrupt": oracle_corrupt if speculative == "oracle" else None,
-        "plain_twin": twin,
+        "plain_twin": None,
         "kernels_compiled_during_run": compiled,
         "graphs_captured_during_run": graphs_captured,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+    if plain_twin and any(r.constraint is not None for r in wl.requests):  # last: it reuses `steps`
+        # every token written, error rows' too (the twin writes them all): like for like
+        written = sum(r.completion_tokens for r in results)
+        report["plain_twin"] = _time_plain_twin(engine, wl.requests, results, steps, breakdown_of, written / elapsed, cuda)
+    return report
 
 
 def plain_twin_requests(requests, results) -> list:
@@ -473,6 +474,20 @@ def spec_summary(steps) -> dict:
         tot["sources"][name] = {**c, "acceptance": c["accepted"] / c["verified"] if c["verified"] else None,
                                 "accepted_per_decode_row": c["accepted"] / tot["decode_rows"] if tot["decode_rows"] else None}
     return tot
+
+
+def decode_only_rate(steps) -> dict | None:
+    """Output tokens per second of the decode-only steps (no prefill token): how issue 15 measures
+    speculation. A verify step emits its spec_emitted tokens, a plain one a token per decoding row;
+    the seconds are the steps' loop time (with overlap a step's tokens are read in the next one, which
+    evens out over a run). None without such steps."""
+    steps = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
+    if not steps:
+        return None
+    tokens = sum(s.spec_emitted if s.spec_decode_rows else s.num_decode_tokens for s in steps)
+    seconds = sum(s.step_ms for s in steps) / 1e3
+    return {"steps": len(steps), "output_tokens": tokens, "seconds": seconds,
+            "output_tokens_per_s": tokens / seconds if seconds > 0 else None}
 
 
 STEP_BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 1 << 30))
@@ -578,6 +593,10 @@ def format_report(r: dict) -> str:
             f"steps {r['steps']} (decode-only {r['decode_steps']}), mean step {r['step_ms_mean']:.2f} ms, "
             f"CPU scheduling {r['cpu_schedule_ms_mean']:.3f} ms = {100 * r['cpu_share_of_step']:.1f}% of step time"
         )
+    do = r.get("decode_only")
+    if do and do["output_tokens_per_s"]:
+        lines.append(f"decode-only steps: {do['steps']:,}, {do['output_tokens']:,} output tokens in {do['seconds']:.2f} s = "
+                     f"{do['output_tokens_per_s']:,.0f} output tok/s")
     sp = r.get("speculative")
     if sp:
         fmt = lambda x, p="": "n/a" if x is None else f"{x:.2f}{p}"  # noqa: E731

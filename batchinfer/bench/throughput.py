@@ -268,20 +268,14 @@ def measure_workload(
         )
 
     jit_before = _jit_snapshot()
-    graphs_before = graphs_captured_on_use(engine.runner)
     if before_measure is not None:
         before_measure()
     grammar0 = _grammar_counts(engine)
-    t0 = time.perf_counter()
-    results = list(engine.generate(wl.requests))
-    if cuda:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
+    results, elapsed, graphs_captured = _timed_generate(engine, wl.requests, cuda)
     if profiler is not None:
         profiler.finish()
         bench.profiler = None
     compiled = _jit_compiled_since(jit_before)
-    graphs_captured = graphs_captured_on_use(engine.runner) - graphs_before
 
     ok = [r for r in results if r.finish_reason != "error"]
     prompt_lens = [r.prompt_tokens for r in ok]
@@ -387,6 +381,18 @@ def measure_workload(
     return report
 
 
+def _timed_generate(engine, requests, cuda: bool) -> tuple[list, float, int]:
+    """Run `requests` to the end on `engine`, timed by the wall clock until the device's last work is
+    done: (results, seconds, CUDA graph sizes captured on first use meanwhile)."""
+    graphs_before = graphs_captured_on_use(engine.runner)
+    t0 = time.perf_counter()
+    results = list(engine.generate(requests))
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    return results, elapsed, graphs_captured_on_use(engine.runner) - graphs_before
+
+
 def plain_twin_requests(requests, results) -> list:
     """The plain twin of a constrained workload (measure_workload): each request that wrote tokens,
     without its constraint, asked for exactly as many tokens (ignore_eos), under a new id."""
@@ -403,12 +409,7 @@ def _time_plain_twin(engine, requests, results, steps, breakdown_of, constrained
     rate of tokens written (constrained_tok_s, rows that ended in an error included) as a share of the twin's."""
     twin = plain_twin_requests(requests, results)
     steps.clear()
-    graphs_before = graphs_captured_on_use(engine.runner)
-    t0 = time.perf_counter()
-    out = list(engine.generate(twin))
-    if cuda:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
+    out, elapsed, graphs_captured = _timed_generate(engine, twin, cuda)
     tokens = sum(r.completion_tokens for r in out)
     return {
         "requests": len(twin),
@@ -416,7 +417,7 @@ def _time_plain_twin(engine, requests, results, steps, breakdown_of, constrained
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / elapsed,
         "constrained_share": constrained_tok_s / (tokens / elapsed),
-        "graphs_captured_during_run": graphs_captured_on_use(engine.runner) - graphs_before,
+        "graphs_captured_during_run": graphs_captured,
         "step_breakdown": breakdown_of(list(steps)),
     }
 

@@ -145,16 +145,31 @@ def recommend_kv_tiles(rows: list[dict], kv_bytes: int) -> tuple[int, int, int] 
     return best
 
 
-def layout_cache(num_blocks: int, block: int, hkv: int, d: int, layout: str, dev, dtype):
-    """A random cache [blocks, block, kv_heads, d] in `layout` (module docstring): "head" stores
-    [blocks, kv_heads, block, d] and returns its permuted view (same shape, other strides)."""
+def random_kv(num_blocks: int, block: int, hkv: int, d: int, layout: str, dev, fp8: bool, scale: float):
+    """Random K and V caches [blocks, block, kv_heads, d] in `layout` (module docstring: "head" is
+    stored [blocks, kv_heads, block, d] and seen through permuted strides), bf16 or, with fp8, stored
+    as FP8 e4m3 x / scale."""
     import torch
 
-    if layout == "token":
-        return torch.randn(num_blocks, block, hkv, d, device=dev, dtype=dtype)
-    if layout == "head":
-        return torch.randn(num_blocks, hkv, block, d, device=dev, dtype=dtype).permute(0, 2, 1, 3)
-    raise SystemExit(f"--layouts entries must be token or head, not {layout!r}")
+    if layout not in ("token", "head"):
+        raise SystemExit(f"--layouts entries must be token or head, not {layout!r}")
+    shape = (num_blocks, hkv, block, d) if layout == "head" else (num_blocks, block, hkv, d)
+    pair = []
+    for _ in range(2):
+        c = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        if layout == "head":
+            c = c.permute(0, 2, 1, 3)
+        pair.append((c.float() / scale).to(torch.float8_e4m3fn) if fp8 else c)
+    return pair
+
+
+def random_tables(num_blocks: int, max_b: int, max_ctx: int, block: int, gen, dev):
+    """Shuffled block tables [max_b, max_ctx / block] (on dev) and context lengths uniform in
+    [100, max_ctx] (int32, on the host)."""
+    import torch
+
+    tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(max_b, max_ctx // block).to(dev)
+    return tables, torch.randint(100, max_ctx + 1, (max_b,), generator=gen, dtype=torch.int32)
 
 
 def default_mode(name, hq, hkv, d, batches, num_blocks, block, max_ctx, fp8, scale, copy, gen, dev, layouts, rows) -> None:
@@ -166,14 +181,10 @@ def default_mode(name, hq, hkv, d, batches, num_blocks, block, max_ctx, fp8, sca
     sys.path.insert(0, "scripts")
     from bench_decode_kernels import graph_time
 
-    tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(max(batches), max_ctx // block).to(dev)
-    lens_all = torch.randint(100, max_ctx + 1, (max(batches),), generator=gen, dtype=torch.int32)
+    tables, lens_all = random_tables(num_blocks, max(batches), max_ctx, block, gen, dev)
     print(f"\n== {name}: {hq} q / {hkv} kv heads (group {hq // hkv}), d {d}")
     for layout in layouts:
-        k_cache = layout_cache(num_blocks, block, hkv, d, layout, dev, torch.bfloat16)
-        v_cache = layout_cache(num_blocks, block, hkv, d, layout, dev, torch.bfloat16)
-        if fp8:
-            k_cache, v_cache = ((c.float() / scale).to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
+        k_cache, v_cache = random_kv(num_blocks, block, hkv, d, layout, dev, fp8, scale)
         for b in batches:
             lens = lens_all[:b].to(dev)
             q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
@@ -226,12 +237,8 @@ def main() -> None:
         if mode == "default":
             default_mode(name, hq, hkv, d, batches, num_blocks, block, max_ctx, fp8, scale, copy, gen, dev, layouts, rows)
             continue
-        k_cache = torch.randn(num_blocks, block, hkv, d, device=dev, dtype=torch.bfloat16)
-        v_cache = torch.randn_like(k_cache)
-        if fp8:
-            k_cache, v_cache = ((c.float() / scale).to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
-        tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(max_b, max_ctx // block).to(dev)
-        lens_all = torch.randint(100, max_ctx + 1, (max_b,), generator=gen, dtype=torch.int32)
+        k_cache, v_cache = random_kv(num_blocks, block, hkv, d, "token", dev, fp8, scale)
+        tables, lens_all = random_tables(num_blocks, max_b, max_ctx, block, gen, dev)
         print(f"\n== {name}: {hq} q / {hkv} kv heads (group {hq // hkv}), d {d}")
         for b in batches:
             lens = lens_all[:b].to(dev)

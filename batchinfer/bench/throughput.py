@@ -651,7 +651,8 @@ def format_report(r: dict) -> str:
         lines.append(f"plain twin (the same prompts and output lengths, no constraint): {tw['elapsed_s']:.2f} s, "
                      f"{tw['output_tokens_per_s']:,.0f} output tok/s; constrained = {100 * tw['constrained_share']:.1f}% of it"
                      + (f"; its decode 193+ step {full['mean_step_ms']:.2f} ms" if full is not None else "")
-                     + (f"; graph sizes captured during it {tw['graphs_captured_during_run']}" if tw["graphs_captured_during_run"] else ""))
+                     + (f"; graph sizes captured during it {tw['graphs_captured_during_run']}"
+                        if tw["graphs_captured_during_run"] else ""))
     gm = r.get("grammar_masks")
     if gm:
         total = gm["computed"] + gm["copied"] + gm["cached"]

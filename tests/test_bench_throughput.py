@@ -140,6 +140,10 @@ def test_plain_twin_runs_the_constrained_lengths_without_constraints(tiny_model,
     tw = r["plain_twin"]
     assert r["errors"] == 0 and tw["requests"] == r["requests"] and tw["output_tokens"] == r["output_tokens"] > 0
     assert tw["constrained_share"] == pytest.approx(r["output_tokens_per_s"] / tw["output_tokens_per_s"])  # no error rows here
+    again = tw["constrained_again"]  # the constrained workload once more, after the twin, on the same engine
+    assert again["output_tokens"] == r["output_tokens"]  # greedy: the same answers
+    assert again["share"] == pytest.approx(again["output_tokens_per_s"] / tw["output_tokens_per_s"])
+    assert "constrained again, after the twin" in format_report(r)
     assert "plain twin (the same prompts and output lengths" in format_report(r)
     assert run_throughput(str(tiny_model), "nano256", scale=0.02, cache_dir=tmp_path, plain_twin=True)["plain_twin"] is None
 

@@ -246,10 +246,12 @@ class Scheduler:
             self.waiting.extendleft(reversed(held))  # back at the front, in their order
 
     def _admit_waiting(self, step: ScheduledStep, budget: int, held: list[Sequence]) -> None:
-        outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)
         # A final_pending sequence is done as soon as its token is read: its slot is free already
         # (it is never scheduled again, so steps still hold at most max_num_seqs rows).
         active = sum(1 for s in self.running if not s.final_pending)
+        if budget <= 0 or active >= self.config.max_num_seqs:
+            return  # nothing can be admitted (a full decode step while prompts wait): skip the block count
+        outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)
         in_progress = self._prefixes_in_progress() if self.config.enable_prefix_sharing else set()
         while self.waiting and budget > 0 and active < self.config.max_num_seqs:
             seq = self.waiting[0]

@@ -9,4 +9,13 @@ unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-bench() { python3 -c "import sys; from batchinfer.bench.cli import bench_app; sys.argv[0]='batchinfer bench'; bench_app()" "$@"; }
+# `bench` as a command, not a shell function, so that `timeout N bench ...` works. python3 -P: the current
+# folder is not put first on sys.path, so PYTHONPATH decides which tree runs (an A/B against an older tree:
+# `PYTHONPATH=/tmp/site:$PWD/.base bench ...`, with that tree's batchinfer/ copied into the ignored .base/).
+mkdir -p /tmp/bin
+cat > /tmp/bin/bench <<'EOF'
+#!/bin/sh
+exec python3 -P -c "import sys; from batchinfer.bench.cli import bench_app; sys.argv[0] = 'batchinfer bench'; bench_app()" "$@"
+EOF
+chmod +x /tmp/bin/bench
+export PATH=/tmp/bin:$PATH

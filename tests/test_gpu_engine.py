@@ -117,33 +117,6 @@ def test_head_major_kv_cache_gives_the_token_major_tokens(tiny_model, kv_dtype):
     assert outs[0] == outs[1]
 
 
-def test_shared_grammar_masks_give_the_per_row_tokens_on_the_gpu(tiny_model):
-    """Constrained rows on the GPU: with shared masks (RowMasks: distinct masks gathered by a row
-    index on the device) the tokens equal those of one mask per row, greedy and seeded sampling;
-    every JSON answer that completed parses."""
-    import json
-
-    from batchinfer.structured.base import Constraint
-
-    cs = [Constraint.json_schema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
-                                                                   "b": {"type": "integer"}}, "required": ["a", "b"]}),
-          Constraint.regex(r"[A-Z]{2}-[0-9]{3}( [a-z]{1,6}){0,4}")]
-    reqs = [Request(f"r{i}", [5 + i, 40, 77], SamplingParams(max_tokens=40, temperature=0.0 if i % 3 else 1.0, seed=i), cs[i % 2])
-            for i in range(24)]
-    outs, shared = [], 0
-    for share in (True, False):
-        engine = _engine(tiny_model, "float32", max_num_seqs=8, grammar_share_masks=share)
-        outs.append({r.request_id: (r.finish_reason, r.output_token_ids, r.text) for r in engine.generate(reqs)})
-        if share:
-            shared = engine.grammar.rows_copied + engine.grammar.rows_cached
-        engine.close()
-    assert outs[0] == outs[1]
-    assert shared > 0  # the run exercised rows that point at another row's mask
-    for i, (reason, _, text) in enumerate(outs[0][f"r{i}"] for i in range(24)):
-        if i % 2 == 0 and reason == "stop":
-            json.loads(text)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_tokens_are_argmax_under_transformers(tiny_model, dtype):
     """Teacher-forced check of the GPU engine's greedy output against transformers in float32:

@@ -75,16 +75,11 @@ def test_copy_rows_equals_one_indexed_copy(pairs, same):
     assert torch.equal(dst, want)
 
 
-@settings(max_examples=60, deadline=None)
-@given(index=st.lists(st.integers(0, 4), max_size=10))
-def test_row_masks_are_the_table_rows_their_index_names(index):
-    """RowMasks (a step's distinct masks and a row index, as GrammarState.bitmask gives them): the
-    dense bitmask is table[index], on the CPU and through bitmask_on."""
-    from batchinfer.structured.bitmask import RowMasks, bitmask_on
+def test_allow_all_but_leaves_only_the_rows_named():
+    from batchinfer.engine.grammar import allow_all_but
 
-    table = torch.arange(5 * WORDS, dtype=torch.int32).reshape(5, WORDS) - 7
-    masks = RowMasks(table, torch.tensor(index, dtype=torch.int64))
-    want = table[index] if index else torch.empty((0, WORDS), dtype=torch.int32)
-    assert torch.equal(masks.dense(), want)
-    assert torch.equal(bitmask_on(masks, torch.device("cpu")), want)
-    assert torch.equal(bitmask_on(want, torch.device("cpu")), want)  # a dense bitmask passes through
+    mask = torch.zeros((5, WORDS), dtype=torch.int32)
+    allow_all_but(mask, [1, 3])
+    assert mask[:, 0].tolist() == [-1, 0, -1, 0, -1]
+    allow_all_but(mask, [])
+    assert bool((mask == -1).all())

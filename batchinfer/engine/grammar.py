@@ -9,18 +9,14 @@ those masks (and fill any row not started) just before sampling. The matchers li
 One mask per grammar state, not per row (share_masks): a mask is a function of the grammar state,
 and structured/state_keys.py gives each JSON-schema answer compiled by llguidance a key of its
 state that many rows reach (inside a free string: where it opened and how many characters it
-holds; completed free strings and numbers elided). A step computes one mask per distinct key, the
-rows with the same key point at it, and the computed masks are kept by key across steps
-(engine/mask_cache.py, up to mask_cache_bytes), so a later row with a known key takes the kept one
-instead of asking the library. Answers of other constraints and libraries carry their text as the
-key (state_keys.TextTrack: equal texts, equal states): rows with equal texts share within a step.
+holds; completed free strings and numbers elided). A step computes one row per distinct key, the
+rows with the same key copy it, and the computed masks are kept by key across steps
+(engine/mask_cache.py, up to mask_cache_bytes), so a later row with a known key copies instead of
+asking the library. Answers of other constraints and libraries carry their text as the key
+(state_keys.TextTrack: equal texts, equal states): rows with equal texts share within a step.
 Why: llguidance reuses no mask between its matchers, and inside a maxLength-bounded string every
 position is a new state costing a walk of the whole token trie (~0.1-0.2 ms per row on a 151k
 vocabulary, up to 3 ms near the bound).
-
-A step's masks go to the sampler as its distinct masks and a row index (structured.bitmask.RowMasks):
-a row that shares a mask costs an index entry, not a 19 KB copy on the host and over the bus
-(a full decode step of docs1000-json has ~20 distinct states among 256 rows).
 """
 
 from __future__ import annotations
@@ -34,10 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchinfer.engine.mask_cache import MaskCache
+from batchinfer.engine.mask_cache import MaskCache, copy_rows
 from batchinfer.engine.sequence import Sequence, SequenceStatus
 from batchinfer.structured.base import Constraint, GrammarError, GrammarMatcher
-from batchinfer.structured.bitmask import RowMasks
 from batchinfer.structured.state_keys import SchemaKeys, TextTrack, vocab_plain_leads
 
 MASK_BUFFERS = 3  # bitmask buffers reused round-robin (GrammarState._mask_buffer)
@@ -46,34 +41,15 @@ Verdict = str | None  # per row: None (no grammar), "ok", "rejected" or "termina
 
 
 @dataclass
-class StepTable:
-    """One step's masks (structured.bitmask.RowMasks being built): a table whose slot 0 stays all
-    allowed and whose other slots are written once each, and every sampling row's slot in `index`."""
-
-    table: torch.Tensor  # int32 [max_rows + 1, W]; slot 0 all allowed, never written
-    index: np.ndarray  # int64 [rows]: the table slot of each sampling row (0: all allowed)
-    used: int = 1  # slots handed out so far (slot 0 included)
-
-    def take(self) -> int:
-        slot = self.used
-        self.used += 1
-        return slot
-
-    def masks(self, index: torch.Tensor) -> RowMasks:
-        return RowMasks(self.table[: self.used], index)
-
-
-@dataclass
 class RowPlan:
-    """How a step's rows get their masks: a table slot filled by the library, one taken from the
-    cache, or the slot of another row of the step with the same key; `first` maps each key met to
-    its slot."""
+    """How a step's rows get their masks: computed by the library, copied from another row of the
+    step, or taken from the cache; `first` maps each key met to the row that holds its mask."""
 
-    computed: list[int] = field(default_factory=list)  # rows the library fills
-    slots: list[int] = field(default_factory=list)  # ... and the table slot each fills
-    first: dict[Hashable, int] = field(default_factory=dict)  # key -> table slot
-    hits: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (cache slots, table slots)
-    store: tuple[list[Hashable], list[int]] = field(default_factory=lambda: ([], []))  # keys, table slots
+    computed: list[int] = field(default_factory=list)
+    copies: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (rows, source rows)
+    first: dict[Hashable, int] = field(default_factory=dict)
+    hits: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (rows, cache slots)
+    store: tuple[list[Hashable], list[int]] = field(default_factory=lambda: ([], []))  # keys, computed rows
 
 
 @dataclass(frozen=True)
@@ -81,9 +57,7 @@ class StartedFill:
     """Masks of a step's sampling rows being filled while the step before is post-processed."""
 
     pending: Any  # structured.compiler.PendingFill
-    rows: list[int]  # the sampling rows it gave a slot (computed, from the cache or shared)
-    step: StepTable
-    index: torch.Tensor  # the pinned index buffer step.index views
+    rows: list[int]  # the sampling rows it fills (computed or copied)
     plan: RowPlan = field(default_factory=RowPlan)
 
 
@@ -191,36 +165,26 @@ class GrammarState:
 
     def accept(self, rows: list[tuple[Sequence, int]]) -> list[Verdict]:
         """Advance every grammar of `rows` (sequence, token) by its token, batched per library; the
-        verdict per row. (Per-row Python here is host time of every constrained decode step: one
-        pass to gather, the library's batched call, one pass for verdicts and keys.)"""
+        verdict per row."""
         verdicts: list[Verdict] = [None] * len(rows)
-        at: list[int] = []
-        seqs: list[Sequence] = []
-        matchers: list[GrammarMatcher] = []
-        tokens: list[int] = []
-        for k, (seq, token) in enumerate(rows):
-            if seq.matcher is not None:
-                at.append(k)
-                seqs.append(seq)
-                matchers.append(seq.matcher)
-                tokens.append(token)
+        at = [k for k, (seq, _) in enumerate(rows) if seq.matcher is not None]
         if not at:
             return verdicts
-        accepted = self._compiler.accept_tokens(matchers, tokens)
+        seqs = [rows[k][0] for k in at]
+        tokens = [rows[k][1] for k in at]
+        accepted = self._compiler.accept_tokens([seq.matcher for seq in seqs], tokens)
         token_bytes, leads = self._token_bytes, self._token_leads
         known = len(token_bytes) if token_bytes is not None else 0
-        for k, seq, matcher, token, ok in zip(at, seqs, matchers, tokens, accepted):
+        for k, seq, token, ok in zip(at, seqs, tokens, accepted):
+            verdict = ("terminated" if seq.matcher.is_terminated() else "ok") if ok else "rejected"
+            verdicts[k] = verdict
             track = seq.grammar_track
-            if not ok:
-                verdicts[k] = "rejected"
-                seq.grammar_track = None
+            if track is None:
                 continue
-            verdicts[k] = "terminated" if matcher.is_terminated() else "ok"
-            if track is not None:
-                if token < known:
-                    track[1].feed(token_bytes[token], leads[token])
-                else:
-                    seq.grammar_track = None
+            if verdict == "ok" and token < known:
+                track[1].feed(token_bytes[token], leads[token])
+            else:
+                seq.grammar_track = None
         return verdicts
 
     def start_fill(
@@ -230,8 +194,8 @@ class GrammarState:
 
         A sequence whose token was just read (`read`, with its `verdicts`) qualifies only if its
         grammar accepted the token and has not ended; rows of sequences that still finish this step
-        (stop string, length) are pointed at the all-allowed slot in bitmask(). The matchers must
-        not be touched again until the fill is waited for (bitmask()).
+        (stop string, length) are reset to all-allowed in bitmask(). The matchers must not be
+        touched again until the fill is waited for (bitmask()).
         """
         if self._compiler is None:
             return None
@@ -240,101 +204,98 @@ class GrammarState:
                 if s.matcher is not None and s.status is SequenceStatus.RUNNING and id(s) not in ended]
         if not rows:
             return None
-        step, index = self._step_table(len(sampling))
-        plan = self._plan(sampling, rows, step, {})
-        pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], step.table, plan.slots,
-                                            before=self._gather(plan, step))
-        return StartedFill(pending, rows, step, index, plan)
+        plan = self._plan(sampling, rows, {})
+        mask = self._mask_buffer(len(sampling), plan)
+        pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
+                                            before=self._gather(plan, mask))
+        return StartedFill(pending, rows, plan)
 
-    def _plan(self, sampling: list[Sequence], rows: list[int], step: StepTable, first: dict[Hashable, int]) -> RowPlan:
-        """Give each of `rows` a slot of `step` (RowPlan). first: keys whose mask a slot of this
-        step already holds (key -> slot)."""
+    def _plan(self, sampling: list[Sequence], rows: list[int], first: dict[Hashable, int]) -> RowPlan:
+        """How `rows` get their masks (RowPlan). first: keys already held by a row of this step's
+        mask (key -> row)."""
         plan = RowPlan(first=first)
-        index = step.index
         if not self._share:
-            for r in rows:
-                index[r] = slot = step.take()
-                plan.computed.append(r)
-                plan.slots.append(slot)
+            plan.computed = rows
             self.rows_computed += len(rows)
             return plan
-        copied = 0
         for r in rows:
             track = sampling[r].grammar_track
             key = track[1].key() if track is not None else None
             if key is None:
-                index[r] = slot = step.take()
                 plan.computed.append(r)
-                plan.slots.append(slot)
                 continue
             key = (track[0], key)
-            slot = first.get(key)
-            if slot is not None:
-                index[r] = slot
-                copied += 1
+            at = first.get(key)
+            if at is not None:
+                plan.copies[0].append(r)
+                plan.copies[1].append(at)
                 continue
-            first[key] = index[r] = slot = step.take()
-            kept = self._cache.lookup(key)
-            if kept is not None:
-                plan.hits[0].append(kept)
+            first[key] = r
+            slot = self._cache.lookup(key)
+            if slot is not None:
+                plan.hits[0].append(r)
                 plan.hits[1].append(slot)
             else:
                 plan.computed.append(r)
-                plan.slots.append(slot)
                 if track[1].keeps:
                     plan.store[0].append(key)
-                    plan.store[1].append(slot)
+                    plan.store[1].append(r)
         self.rows_computed += len(plan.computed)
-        self.rows_copied += copied
+        self.rows_copied += len(plan.copies[0])
         self.rows_cached += len(plan.hits[0])
         return plan
 
-    def _gather(self, plan: RowPlan, step: StepTable) -> Callable[[], None] | None:
-        """The copy of the plan's cached masks into their slots (start_fill runs it while the library
-        fills the computed ones), or None when there is none. The cache is not touched again until
+    def _gather(self, plan: RowPlan, mask: torch.Tensor) -> Callable[[], None] | None:
+        """The copy of the plan's cached rows into `mask` (start_fill runs it while the library
+        fills the computed rows), or None when there is none. The cache is not touched again until
         the fill is waited for (slots looked up now stay valid until then)."""
         if not plan.hits[0]:
             return None
-        return lambda: self._cache.gather(plan.hits[0], step.table, plan.hits[1])
+        return lambda: self._cache.gather(plan.hits[1], mask, plan.hits[0])
 
-    def bitmask(self, sampling: list[Sequence], live: list[bool], fill: StartedFill | None = None) -> RowMasks | None:
-        """The sampling rows' masks (structured.bitmask.RowMasks), or None when no live row has a
-        grammar (rows of finished sequences stay all allowed: their tokens are never read).
+    def _finish(self, mask: torch.Tensor, plan: RowPlan) -> None:
+        """After the library filled plan.computed: keep the new keyed masks, copy rows within the step."""
+        self._cache.store(plan.store[0], mask, plan.store[1])
+        copy_rows(mask, plan.copies[0], mask, plan.copies[1])
+
+    def bitmask(self, sampling: list[Sequence], live: list[bool], fill: StartedFill | None = None) -> torch.Tensor | None:
+        """int32 CPU bitmask for the sampling rows, or None when no live row has a grammar (rows of
+        finished sequences stay all-allowed: their tokens are never read).
 
         fill: the masks start_fill began for these rows; waited for here (always: the library may
-        still be writing into its table)."""
+        still be writing into its tensor)."""
+        mask = fill.pending.wait() if fill is not None else None
         if fill is not None:
-            fill.pending.wait()
             self.fill_s += fill.pending.fill_s
-            self._cache.store(fill.plan.store[0], fill.step.table, fill.plan.store[1])
+            self._finish(mask, fill.plan)  # before the reset below: a stale row may be a source
         rows = [row for row, (seq, ok) in enumerate(zip(sampling, live)) if seq.matcher is not None and ok]
         if not rows:
             return None
-        if fill is None:
-            step, index = self._step_table(len(sampling))
+        if mask is None:
             missing, first = rows, {}
         else:
-            step, index = fill.step, fill.index
-            for r in fill.rows:
-                if not live[r]:
-                    step.index[r] = 0  # finishes this step: all allowed (its slot may still serve others)
             filled = set(fill.rows)
+            stale = [r for r in fill.rows if not live[r]]
+            if stale:
+                mask[stale] = -1
             missing = [r for r in rows if r not in filled]
-            first = fill.plan.first
+            first = {k: r for k, r in fill.plan.first.items() if live[r]}  # a reset row is no source
         if missing:
-            plan = self._plan(sampling, missing, step, first)
+            plan = self._plan(sampling, missing, first)
+            if mask is None:
+                mask = self._mask_buffer(len(sampling), plan)
             # one batched call per grammar library, on the library's own threads (GIL released); the
-            # cached masks are copied first, on this thread (background=False)
-            pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], step.table, plan.slots,
-                                                background=False, before=self._gather(plan, step))
+            # cached rows are copied first, on this thread (background=False)
+            pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
+                                                background=False, before=self._gather(plan, mask))
             pending.wait()
             self.fill_s += pending.fill_s
-            self._cache.store(plan.store[0], step.table, plan.store[1])
-        return step.masks(index)
+            self._finish(mask, plan)
+        return mask
 
-    def _step_table(self, rows: int) -> tuple[StepTable, torch.Tensor]:
-        """A StepTable for `rows` sampling rows (every row at the all-allowed slot 0) and the pinned
-        index buffer it writes, from a ring of MASK_BUFFERS preallocated ones.
+    def _mask_buffer(self, rows: int, plan: RowPlan) -> torch.Tensor:
+        """An int32 bitmask [rows, ceil(V/32)] from a ring of MASK_BUFFERS preallocated ones, all
+        allowed (-1) but for the rows the plan copies whole into it (its copies and cache hits).
 
         At most one is taken per step, for that step's sampling; the buffer taken at step N comes
         back at step N+3, after the host has read step N+2's tokens, so step N's copy of it to the
@@ -343,16 +304,13 @@ class GrammarState:
             from batchinfer.structured.bitmask import allocate_token_bitmask
 
             self._masks = [
-                (allocate_token_bitmask(self._max_rows + 1, self._vocab_size, pin_memory=self._pin),
-                 torch.zeros(self._max_rows, dtype=torch.int64, pin_memory=self._pin))
+                allocate_token_bitmask(self._max_rows, self._vocab_size, pin_memory=self._pin)
                 for _ in range(MASK_BUFFERS)
             ]
-        table, index = self._masks[self._num_masks % MASK_BUFFERS]
+        buf = self._masks[self._num_masks % MASK_BUFFERS][:rows]
         self._num_masks += 1
-        index = index[:rows]
-        out = index.numpy()
-        out.fill(0)
-        return StepTable(table, out), index
+        allow_all_but(buf, plan.copies[0] + plan.hits[0])
+        return buf
 
     def close(self) -> None:
         """Stop the compiler's helper thread and drop the buffers and grammars (idempotent)."""
@@ -362,3 +320,15 @@ class GrammarState:
         self._grammars = {}
         self._masks = None
 
+
+def allow_all_but(mask: torch.Tensor, rows: list[int]) -> None:
+    """Set every row of `mask` to -1 (all allowed) except `rows`, through numpy (torch's fill_ of a
+    4.9 MB buffer took 8 ms on a 2-core CPU, numpy's 0.5 ms); the rows left out are about to be
+    overwritten whole, most rows of a step with shared masks."""
+    out = mask.numpy()
+    if not rows:
+        out.fill(-1)
+        return
+    keep = np.zeros(len(out), dtype=bool)
+    keep[rows] = True
+    out[np.flatnonzero(~keep)] = -1

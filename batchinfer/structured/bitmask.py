@@ -8,47 +8,12 @@ and the CPU path (vectorised: one unpack of all words, no Python loop over the v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 
 def allocate_token_bitmask(batch: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
     """An all-allowed (-1) int32 bitmask of shape [batch, ceil(vocab_size/32)] on the CPU."""
     return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin_memory)
-
-
-@dataclass(frozen=True)
-class RowMasks:
-    """A step's per-row bitmasks as its distinct masks and an index: row i's mask is
-    table[index[i]]. Rows that share a grammar state share one table row, so the host writes and the
-    device receives one 19 KB mask (a 151k vocabulary) per distinct state, not one per row.
-
-    table: int32 [U, W] on the CPU (pinned on a GPU engine); index: int64 [B] on the CPU."""
-
-    table: torch.Tensor
-    index: torch.Tensor
-
-    def dense(self) -> torch.Tensor:
-        """The int32 [B, W] bitmask on the CPU (numpy's row gather: torch's indexed copy of int32
-        rows is ~30x slower there)."""
-        return torch.from_numpy(self.table.numpy()[self.index.numpy()])
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        """The int32 [B, W] bitmask on `device`: table and index copied (asynchronously from pinned
-        memory), the rows gathered there."""
-        if device.type == "cpu":
-            return self.dense()
-        table = self.table.to(device, non_blocking=True)
-        return table.index_select(0, self.index.to(device, non_blocking=True))
-
-
-def bitmask_on(bitmask: torch.Tensor | RowMasks, device: torch.device) -> torch.Tensor:
-    """A dense int32 [B, W] bitmask on `device`, from either form (the copy is asynchronous where
-    the source is pinned)."""
-    if isinstance(bitmask, RowMasks):
-        return bitmask.on(device)
-    return bitmask.to(device, non_blocking=True)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

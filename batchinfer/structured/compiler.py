@@ -228,8 +228,6 @@ class GrammarCompiler:
         A rejected token may leave an llguidance matcher in an error state (see its accept_tokens):
         use this where a rejection ends the sequence, as in the engine.
         """
-        if matchers and all(m.backend == matchers[0].backend for m in matchers):  # one library: no regrouping
-            return self.backend(matchers[0].backend).accept_tokens(list(matchers), [int(t) for t in tokens])
         ok = [False] * len(matchers)
         for backend, ks in self._by_backend(matchers):
             accepted = backend.accept_tokens([matchers[k] for k in ks], [int(tokens[k]) for k in ks])

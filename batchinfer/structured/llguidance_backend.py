@@ -48,9 +48,6 @@ class LLGuidanceMatcher:
         self._eos = eos_ids
         self._main_eos = eos_ids[0]
         self._ended = False
-        # the matcher's is_error(), kept here so a batch accept asks no native call per row; it
-        # turns True when a consume is refused (llguidance's error state does not clear)
-        self._error = bool(matcher.is_error())
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         row = bitmask[index]
@@ -71,10 +68,7 @@ class LLGuidanceMatcher:
             return True
         if self._m.validate_tokens([token_id]) != 1:
             return False
-        if self._m.consume_token(token_id):
-            return True
-        self._error = bool(self._m.is_error())
-        return False
+        return bool(self._m.consume_token(token_id))
 
     def is_terminated(self) -> bool:
         return self._ended or (bool(self._m.is_stopped()) and not self._m.is_error())
@@ -85,7 +79,6 @@ class LLGuidanceMatcher:
             num_tokens -= 1
         if num_tokens and not self._m.rollback(num_tokens):
             raise RuntimeError(f"llguidance cannot roll back {num_tokens} tokens: {self._m.get_error()}")
-        self._error = bool(self._m.is_error())
 
     def forced_tokens(self) -> list[int]:
         if self._ended or self._m.is_error() or self._m.is_stopped():
@@ -260,23 +253,21 @@ class LLGuidanceBackend:
         """
         ok = [False] * len(matchers)
         batch: list[tuple[int, int, Any, int]] = []  # (group, position k, raw matcher, token)
-        for k, m, t in zip(range(len(matchers)), matchers, tokens):
-            if m._ended or m._error:
+        for k, (m, t) in enumerate(zip(matchers, tokens)):
+            raw = m._m
+            if m._ended or raw.is_error():
                 continue
             if t in m._eos:
-                if m._m.is_accepting():
+                if raw.is_accepting():
                     m._ended = ok[k] = True
                 continue
-            batch.append((m.group, k, m._m, t))
+            batch.append((m.group, k, raw, t))
         if batch:
             # grouped by prototype, as in fill_call: each thread mostly takes its own group's lock
             batch.sort(key=itemgetter(0))
             done = self._pool().consume_token_par([(raw, t) for _, _, raw, t in batch])
             for (_, k, _, _), good in zip(batch, done):
-                if good:
-                    ok[k] = True
-                else:
-                    matchers[k]._error = True  # llguidance's consume_token leaves it in its error state
+                ok[k] = bool(good)
         return ok
 
 

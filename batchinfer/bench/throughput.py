@@ -413,8 +413,9 @@ def _time_plain_twin(engine, requests, results, steps, breakdown_of, constrained
     tokens = sum(r.completion_tokens for r in out)
     twin_rate = tokens / elapsed
     breakdown = breakdown_of(list(steps))
-    # the constrained workload once more on the same engine: every graph size it meets is captured
-    # by now (the first run paid those captures, the twin did not), so this is its steady state
+    # the constrained workload once more on the same engine: every graph size it meets is captured by
+    # now (the first run paid those captures, the twin did not) and the mask cache holds what the first
+    # run computed, so this is the steady state of a long job
     again, again_s, again_graphs = _timed_generate(engine, requests, cuda)
     written = sum(r.completion_tokens for r in again)
     return {

@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 # `bench` as a command, not a shell function, so that `timeout N bench ...` works. python3 -P: the current
 # folder is not put first on sys.path, so PYTHONPATH decides which tree runs (an A/B against an older tree:
-# `PYTHONPATH=/tmp/site:$PWD/.base bench ...`, with that tree's batchinfer/ copied into the ignored .base/).
+# `PYTHONPATH=/tmp/site:$PWD/.base bench ...`, with that tree (`git archive REV | tar -x -C .base`) in the ignored .base/).
 mkdir -p /tmp/bin
 cat > /tmp/bin/bench <<'EOF'
 #!/bin/sh

@@ -146,21 +146,17 @@ def recommend_kv_tiles(rows: list[dict], kv_bytes: int) -> tuple[int, int, int] 
 
 
 def random_kv(num_blocks: int, block: int, hkv: int, d: int, layout: str, dev, fp8: bool, scale: float):
-    """Random K and V caches [blocks, block, kv_heads, d] in `layout` (module docstring: "head" is
-    stored [blocks, kv_heads, block, d] and seen through permuted strides), bf16 or, with fp8, stored
-    as FP8 e4m3 x / scale."""
+    """Random K and V caches [blocks, block, kv_heads, d] in the engine's `layout` (allocated by
+    engine/kv_cache.allocate_kv_cache, so "head" is the engine's head-major storage seen through its
+    strides), bf16 or, with fp8, stored as FP8 e4m3 x / scale (the conversion keeps the strides)."""
     import torch
 
-    if layout not in ("token", "head"):
-        raise SystemExit(f"--layouts entries must be token or head, not {layout!r}")
-    shape = (num_blocks, hkv, block, d) if layout == "head" else (num_blocks, block, hkv, d)
-    pair = []
-    for _ in range(2):
-        c = torch.randn(shape, device=dev, dtype=torch.bfloat16)
-        if layout == "head":
-            c = c.permute(0, 2, 1, 3)
-        pair.append((c.float() / scale).to(torch.float8_e4m3fn) if fp8 else c)
-    return pair
+    from batchinfer.engine.kv_cache import allocate_kv_cache
+
+    pair = allocate_kv_cache(1, num_blocks, block, hkv, d, torch.bfloat16, dev, layout)[0]
+    for c in pair:
+        c.normal_()
+    return [(c.float() / scale).to(torch.float8_e4m3fn) for c in pair] if fp8 else list(pair)
 
 
 def random_tables(num_blocks: int, max_b: int, max_ctx: int, block: int, gen, dev):
@@ -213,6 +209,10 @@ def main() -> None:
 
     mode = args[args.index("--mode") + 1] if "--mode" in args else "grid"
     layouts = (args[args.index("--layouts") + 1] if "--layouts" in args else "token").split(",")
+    from batchinfer.engine.kv_cache import KV_LAYOUTS
+
+    if not set(layouts) <= set(KV_LAYOUTS):
+        raise SystemExit(f"--layouts entries must be among {', '.join(KV_LAYOUTS)}, not {args[args.index('--layouts') + 1]!r}")
     kv = args[args.index("--kv") + 1] if "--kv" in args else "bf16"
     if kv not in ("bf16", "fp8"):
         raise SystemExit(f"--kv must be bf16 or fp8, not {kv!r}")

@@ -343,3 +343,23 @@ def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs):
     assert sum(s.spec_accepted for s in steps) > 0
     engine.allocator.check()
     assert engine.allocator.num_used == 0
+
+
+def test_shared_grammar_masks_give_the_per_row_tokens_on_the_gpu(tiny_model):
+    """Grammar masks reach the sampler as distinct masks and a row index (RowMasks), gathered on the
+    GPU: greedy and sampled JSON and regex answers equal those of one fill per row."""
+    from batchinfer.structured.base import Constraint
+
+    cs = [Constraint.json_schema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
+                                                                   "b": {"type": "integer"}}, "required": ["a", "b"]}),
+          Constraint.regex(r"[A-Z]{2}-[0-9]{3}( [a-z]{1,6}){0,4}")]
+    reqs = [Request(f"r{i}", [5 + i, 40, 77], SamplingParams(max_tokens=40, temperature=0.0 if i % 3 else 1.0, seed=i),
+                    cs[i % 2]) for i in range(32)]
+    outs = {}
+    for share in (True, False):
+        engine = Engine(EngineConfig(model=str(tiny_model), dtype="float32", device="cuda", max_num_seqs=16,
+                                     num_kv_blocks=256, block_size=8, grammar_share_masks=share))
+        outs[share] = {r.request_id: (r.finish_reason, r.output_token_ids) for r in engine.generate(reqs)}
+        if share:
+            assert engine.grammar.rows_copied + engine.grammar.rows_cached > 0
+    assert outs[True] == outs[False]

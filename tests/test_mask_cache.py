@@ -75,11 +75,34 @@ def test_copy_rows_equals_one_indexed_copy(pairs, same):
     assert torch.equal(dst, want)
 
 
-def test_allow_all_but_leaves_only_the_rows_named():
-    from batchinfer.engine.grammar import allow_all_but
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(0, 5), min_size=1, max_size=12))
+def test_row_masks_gather_the_rows_their_index_names(distinct, index):
+    """RowMasks.dense() and .on(device) both give table[index[i]] as row i, whatever rows repeat."""
+    from batchinfer.structured.bitmask import RowMasks, apply_token_bitmask_, apply_token_bitmask_torch_
 
-    mask = torch.zeros((5, WORDS), dtype=torch.int32)
-    allow_all_but(mask, [1, 3])
-    assert mask[:, 0].tolist() == [-1, 0, -1, 0, -1]
-    allow_all_but(mask, [])
-    assert bool((mask == -1).all())
+    index = [i % (distinct + 1) for i in index]
+    table = torch.randint(-(2**31), 2**31 - 1, (distinct + 1, WORDS), dtype=torch.int32)
+    masks = RowMasks(table, torch.tensor(index, dtype=torch.int64))
+    want = torch.stack([table[i] for i in index])
+    assert masks.shape == tuple(want.shape)
+    assert torch.equal(masks.dense(), want)
+    assert torch.equal(masks.on(torch.device("cpu")), want)
+    logits = torch.randn(len(index), WORDS * 32)
+    assert torch.equal(apply_token_bitmask_(logits.clone(), masks), apply_token_bitmask_torch_(logits.clone(), want))
+
+
+def test_step_table_keeps_slot_zero_all_allowed_and_resets_its_index():
+    from batchinfer.engine.grammar import StepTable
+
+    t = StepTable(4, WORDS, pin=False).reset(3)
+    slots = [t.new_slot(), t.new_slot()]
+    assert slots == [1, 2]
+    t.table[slots] = 7
+    t.index[[0, 2]] = slots
+    dense = t.take().dense()
+    assert dense[:, 0].tolist() == [7, -1, 7]
+    assert t.take().table.shape[0] == 3  # slot 0 and the two handed out
+    t.reset(4)
+    assert t.used == 1 and t.index.tolist() == [0, 0, 0, 0]
+    assert bool((t.take().dense() == -1).all())

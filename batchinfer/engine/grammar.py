@@ -9,11 +9,13 @@ those masks (and fill any row not started) just before sampling. The matchers li
 One mask per grammar state, not per row (share_masks): a mask is a function of the grammar state,
 and structured/state_keys.py gives each JSON-schema answer compiled by llguidance a key of its
 state that many rows reach (inside a free string: where it opened and how many characters it
-holds; completed free strings and numbers elided). A step computes one row per distinct key, the
-rows with the same key copy it, and the computed masks are kept by key across steps
-(engine/mask_cache.py, up to mask_cache_bytes), so a later row with a known key copies instead of
-asking the library. Answers of other constraints and libraries carry their text as the key
-(state_keys.TextTrack: equal texts, equal states): rows with equal texts share within a step.
+holds; completed free strings and numbers elided). A step computes one mask per distinct key into
+its table (StepTable), the rows with the same key point at it (the sampler gets RowMasks: the
+distinct masks and a row index, gathered on its device), and the computed masks are kept by key
+across steps (engine/mask_cache.py, up to mask_cache_bytes), so a later row with a known key takes
+a copy instead of asking the library. Answers of other constraints and libraries carry their text
+as the key (state_keys.TextTrack: equal texts, equal states): rows with equal texts share a mask
+within a step.
 Why: llguidance reuses no mask between its matchers, and inside a maxLength-bounded string every
 position is a new state costing a walk of the whole token trie (~0.1-0.2 ms per row on a 151k
 vocabulary, up to 3 ms near the bound).
@@ -27,29 +29,60 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from batchinfer.engine.mask_cache import MaskCache, copy_rows
+from batchinfer.engine.mask_cache import MaskCache
 from batchinfer.engine.sequence import Sequence, SequenceStatus
 from batchinfer.structured.base import Constraint, GrammarError, GrammarMatcher
+from batchinfer.structured.bitmask import RowMasks
 from batchinfer.structured.state_keys import SchemaKeys, TextTrack, vocab_plain_leads
 
-MASK_BUFFERS = 3  # bitmask buffers reused round-robin (GrammarState._mask_buffer)
+MASK_BUFFERS = 3  # step tables reused round-robin (GrammarState._step_table)
 
 Verdict = str | None  # per row: None (no grammar), "ok", "rejected" or "terminated" (accepted, grammar ended)
 
 
+class StepTable:
+    """One step's masks as distinct rows and a row index (structured/bitmask.RowMasks): slot 0 of the
+    table is all-allowed and never written, slots 1.. are handed out in order, one per distinct mask of
+    the step; index[r] is the slot of sampling row r (0 for rows without a grammar, or whose sequence
+    ended after its fill started). Pinned on a GPU engine, so their copies to the device are async."""
+
+    def __init__(self, rows: int, words: int, pin: bool) -> None:
+        self.table = torch.empty((rows + 1, words), dtype=torch.int32, pin_memory=pin)
+        self.table[0] = -1
+        self._index = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+        self.index = self._index.numpy()  # a view: writes land in the pinned tensor
+        self.used = 1
+        self.rows = 0
+
+    def reset(self, rows: int) -> "StepTable":
+        """Start a step of `rows` sampling rows: no slot handed out, every row all-allowed."""
+        self.used = 1
+        self.rows = rows
+        self.index[:rows] = 0
+        return self
+
+    def new_slot(self) -> int:
+        self.used += 1
+        return self.used - 1
+
+    def take(self) -> RowMasks:
+        """The step's masks: the slots handed out and the index of its rows (views, not copies)."""
+        return RowMasks(self.table[: self.used], self._index[: self.rows])
+
+
 @dataclass
 class RowPlan:
-    """How a step's rows get their masks: computed by the library, copied from another row of the
-    step, or taken from the cache; `first` maps each key met to the row that holds its mask."""
+    """How a step's rows get their table slots: a new slot the library fills (computed), the slot of
+    another row of the step with the same key (shared), or a new slot the cache's copy of the key's
+    mask goes to (hits). first maps each key met to its slot."""
 
-    computed: list[int] = field(default_factory=list)
-    copies: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (rows, source rows)
+    computed: list[int] = field(default_factory=list)  # rows the library fills
+    slots: list[int] = field(default_factory=list)  # their table slots
     first: dict[Hashable, int] = field(default_factory=dict)
-    hits: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (rows, cache slots)
-    store: tuple[list[Hashable], list[int]] = field(default_factory=lambda: ([], []))  # keys, computed rows
+    hits: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (cache slots, table slots)
+    store: tuple[list[Hashable], list[int]] = field(default_factory=lambda: ([], []))  # (keys, table slots)
 
 
 @dataclass(frozen=True)
@@ -57,7 +90,8 @@ class StartedFill:
     """Masks of a step's sampling rows being filled while the step before is post-processed."""
 
     pending: Any  # structured.compiler.PendingFill
-    rows: list[int]  # the sampling rows it fills (computed or copied)
+    rows: list[int]  # the sampling rows it gave a slot (computed, shared or cached)
+    table: StepTable
     plan: RowPlan = field(default_factory=RowPlan)
 
 
@@ -67,7 +101,7 @@ class GrammarState:
 
     tokenizer, vocab_size, eos_ids: the model's; backend: EngineConfig.grammar_backend;
     fill_threads: EngineConfig.grammar_threads; max_rows: the most sampling rows of a step
-    (max_num_seqs); pin_memory: pin the bitmask buffers (a GPU engine: their copy to the device
+    (max_num_seqs); pin_memory: pin the step tables (a GPU engine: their copy to the device
     then does not wait for earlier queued work); compiler: a GrammarCompiler made elsewhere for this
     vocabulary and backend (or a Future of one), used instead of building one; share_masks: one
     mask per grammar state (module docstring), False: one per row; mask_cache_bytes: how much the
@@ -89,8 +123,8 @@ class GrammarState:
         self._compiler = None  # structured.compiler.GrammarCompiler, built (or taken) with the first constraint
         self._given = compiler  # one made elsewhere for this vocabulary and backend (or a Future of it)
         self._grammars: dict[Constraint, object] = {}  # compiled grammar, or the reason it cannot be
-        self._masks: list[torch.Tensor] | None = None
-        self._num_masks = 0
+        self._tables: list[StepTable] = []  # MASK_BUFFERS of them, made on first use
+        self._num_steps = 0
         self._share = share_masks
         self._keyers: dict[Constraint, tuple[int, SchemaKeys | None]] = {}  # (grammar id, keys) per constraint
         self._token_bytes: list[bytes] | None = None  # what each token adds to an answer's text
@@ -204,113 +238,106 @@ class GrammarState:
                 if s.matcher is not None and s.status is SequenceStatus.RUNNING and id(s) not in ended]
         if not rows:
             return None
-        plan = self._plan(sampling, rows, {})
-        mask = self._mask_buffer(len(sampling), plan)
-        pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
-                                            before=self._gather(plan, mask))
-        return StartedFill(pending, rows, plan)
+        table = self._step_table(len(sampling))
+        plan = self._plan(sampling, rows, {}, table)
+        pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], table.table, plan.slots,
+                                            before=self._gather(plan, table))
+        return StartedFill(pending, rows, table, plan)
 
-    def _plan(self, sampling: list[Sequence], rows: list[int], first: dict[Hashable, int]) -> RowPlan:
-        """How `rows` get their masks (RowPlan). first: keys already held by a row of this step's
-        mask (key -> row)."""
+    def _plan(self, sampling: list[Sequence], rows: list[int], first: dict[Hashable, int], table: StepTable) -> RowPlan:
+        """Give each of `rows` its slot of `table` (RowPlan). first: keys already given a slot in
+        this step (key -> slot)."""
         plan = RowPlan(first=first)
+        slot_of: list[int] = []  # slot per row of `rows`
         if not self._share:
             plan.computed = rows
-            self.rows_computed += len(rows)
-            return plan
-        for r in rows:
-            track = sampling[r].grammar_track
-            key = track[1].key() if track is not None else None
-            if key is None:
-                plan.computed.append(r)
-                continue
-            key = (track[0], key)
-            at = first.get(key)
-            if at is not None:
-                plan.copies[0].append(r)
-                plan.copies[1].append(at)
-                continue
-            first[key] = r
-            slot = self._cache.lookup(key)
-            if slot is not None:
-                plan.hits[0].append(r)
-                plan.hits[1].append(slot)
-            else:
-                plan.computed.append(r)
-                if track[1].keeps:
-                    plan.store[0].append(key)
-                    plan.store[1].append(r)
+            plan.slots = slot_of = [table.new_slot() for _ in rows]
+        else:
+            for r in rows:
+                track = sampling[r].grammar_track
+                key = track[1].key() if track is not None else None
+                if key is not None:
+                    key = (track[0], key)
+                    slot = first.get(key)
+                    if slot is not None:
+                        slot_of.append(slot)
+                        continue
+                slot = table.new_slot()
+                slot_of.append(slot)
+                if key is None:
+                    plan.computed.append(r)
+                    plan.slots.append(slot)
+                    continue
+                first[key] = slot
+                kept = self._cache.lookup(key)
+                if kept is not None:
+                    plan.hits[0].append(kept)
+                    plan.hits[1].append(slot)
+                else:
+                    plan.computed.append(r)
+                    plan.slots.append(slot)
+                    if track[1].keeps:
+                        plan.store[0].append(key)
+                        plan.store[1].append(slot)
+        table.index[rows] = slot_of
         self.rows_computed += len(plan.computed)
-        self.rows_copied += len(plan.copies[0])
         self.rows_cached += len(plan.hits[0])
+        self.rows_copied += len(rows) - len(plan.computed) - len(plan.hits[0])
         return plan
 
-    def _gather(self, plan: RowPlan, mask: torch.Tensor) -> Callable[[], None] | None:
-        """The copy of the plan's cached rows into `mask` (start_fill runs it while the library
-        fills the computed rows), or None when there is none. The cache is not touched again until
-        the fill is waited for (slots looked up now stay valid until then)."""
+    def _gather(self, plan: RowPlan, table: StepTable) -> Callable[[], None] | None:
+        """The copy of the plan's cached masks into their table slots (start_fill runs it while the
+        library fills the computed ones), or None when there is none. The cache is not touched again
+        until the fill is waited for (slots looked up now stay valid until then)."""
         if not plan.hits[0]:
             return None
-        return lambda: self._cache.gather(plan.hits[1], mask, plan.hits[0])
+        return lambda: self._cache.gather(plan.hits[0], table.table, plan.hits[1])
 
-    def _finish(self, mask: torch.Tensor, plan: RowPlan) -> None:
-        """After the library filled plan.computed: keep the new keyed masks, copy rows within the step."""
-        self._cache.store(plan.store[0], mask, plan.store[1])
-        copy_rows(mask, plan.copies[0], mask, plan.copies[1])
-
-    def bitmask(self, sampling: list[Sequence], live: list[bool], fill: StartedFill | None = None) -> torch.Tensor | None:
-        """int32 CPU bitmask for the sampling rows, or None when no live row has a grammar (rows of
+    def bitmask(self, sampling: list[Sequence], live: list[bool], fill: StartedFill | None = None) -> RowMasks | None:
+        """The sampling rows' masks (RowMasks), or None when no live row has a grammar (rows of
         finished sequences stay all-allowed: their tokens are never read).
 
         fill: the masks start_fill began for these rows; waited for here (always: the library may
-        still be writing into its tensor)."""
-        mask = fill.pending.wait() if fill is not None else None
+        still be writing into its table)."""
         if fill is not None:
+            fill.pending.wait()
             self.fill_s += fill.pending.fill_s
-            self._finish(mask, fill.plan)  # before the reset below: a stale row may be a source
+            self._cache.store(fill.plan.store[0], fill.table.table, fill.plan.store[1])
         rows = [row for row, (seq, ok) in enumerate(zip(sampling, live)) if seq.matcher is not None and ok]
         if not rows:
             return None
-        if mask is None:
-            missing, first = rows, {}
+        if fill is None:
+            table, missing, first = self._step_table(len(sampling)), rows, {}
         else:
-            filled = set(fill.rows)
+            table, first = fill.table, fill.plan.first  # a slot stays right for its key, live row or not
             stale = [r for r in fill.rows if not live[r]]
             if stale:
-                mask[stale] = -1
+                table.index[stale] = 0
+            filled = set(fill.rows)
             missing = [r for r in rows if r not in filled]
-            first = {k: r for k, r in fill.plan.first.items() if live[r]}  # a reset row is no source
         if missing:
-            plan = self._plan(sampling, missing, first)
-            if mask is None:
-                mask = self._mask_buffer(len(sampling), plan)
+            plan = self._plan(sampling, missing, first, table)
             # one batched call per grammar library, on the library's own threads (GIL released); the
-            # cached rows are copied first, on this thread (background=False)
-            pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], mask, plan.computed,
-                                                background=False, before=self._gather(plan, mask))
+            # cached masks are copied first, on this thread (background=False)
+            pending = self._compiler.start_fill([sampling[r].matcher for r in plan.computed], table.table, plan.slots,
+                                                background=False, before=self._gather(plan, table))
             pending.wait()
             self.fill_s += pending.fill_s
-            self._finish(mask, plan)
-        return mask
+            self._cache.store(plan.store[0], table.table, plan.store[1])
+        return table.take()
 
-    def _mask_buffer(self, rows: int, plan: RowPlan) -> torch.Tensor:
-        """An int32 bitmask [rows, ceil(V/32)] from a ring of MASK_BUFFERS preallocated ones, all
-        allowed (-1) but for the rows the plan copies whole into it (its copies and cache hits).
+    def _step_table(self, rows: int) -> StepTable:
+        """The next of a ring of MASK_BUFFERS step tables, reset for a step of `rows` sampling rows.
 
-        At most one is taken per step, for that step's sampling; the buffer taken at step N comes
-        back at step N+3, after the host has read step N+2's tokens, so step N's copy of it to the
-        device has finished. Allocating pinned memory every step instead cost time on the host."""
-        if self._masks is None:
-            from batchinfer.structured.bitmask import allocate_token_bitmask
-
-            self._masks = [
-                allocate_token_bitmask(self._max_rows, self._vocab_size, pin_memory=self._pin)
-                for _ in range(MASK_BUFFERS)
-            ]
-        buf = self._masks[self._num_masks % MASK_BUFFERS][:rows]
-        self._num_masks += 1
-        allow_all_but(buf, plan.copies[0] + plan.hits[0])
-        return buf
+        One is taken per step, for that step's sampling; the table taken at step N comes back at
+        step N+3, after the host has read step N+2's tokens, so step N's copies of it to the device
+        have finished. Allocating pinned memory every step instead cost time on the host."""
+        if not self._tables:
+            words = (self._vocab_size + 31) // 32
+            self._tables = [StepTable(self._max_rows, words, self._pin) for _ in range(MASK_BUFFERS)]
+        table = self._tables[self._num_steps % MASK_BUFFERS]
+        self._num_steps += 1
+        return table.reset(rows)
 
     def close(self) -> None:
         """Stop the compiler's helper thread and drop the buffers and grammars (idempotent)."""
@@ -318,17 +345,5 @@ class GrammarState:
             self._compiler.close()
         self._compiler = None
         self._grammars = {}
-        self._masks = None
+        self._tables = []
 
-
-def allow_all_but(mask: torch.Tensor, rows: list[int]) -> None:
-    """Set every row of `mask` to -1 (all allowed) except `rows`, through numpy (torch's fill_ of a
-    4.9 MB buffer took 8 ms on a 2-core CPU, numpy's 0.5 ms); the rows left out are about to be
-    overwritten whole, most rows of a step with shared masks."""
-    out = mask.numpy()
-    if not rows:
-        out.fill(-1)
-        return
-    keep = np.zeros(len(out), dtype=bool)
-    keep[rows] = True
-    out[np.flatnonzero(~keep)] = -1

@@ -42,6 +42,7 @@ from batchinfer.engine.sampler import SamplingBatch, ban_tokens_, make_sampling_
 from batchinfer.engine.sequence import Sequence
 from batchinfer.kernels._util import warm_compile_key
 from batchinfer.models.loader import load_model, load_model_info
+from batchinfer.structured.bitmask import RowMasks, apply_token_bitmask_
 
 logger = logging.getLogger(__name__)
 
@@ -217,13 +218,13 @@ class ModelRunner:
         """Draw once at 1, 2, 4, ... rows and max_num_seqs, greedy and sampled, and apply a grammar
         bitmask once, on logits of the LM head's dtype, so that the sampler's kernel variants (its
         vocabulary split count follows the rows) load at start-up instead of in the middle of a run."""
-        from batchinfer.structured.bitmask import apply_token_bitmask_
-
         most = self.config.max_num_seqs
         for bs in sorted({1 << k for k in range(most.bit_length()) if 1 << k < most} | {most}):
             logits = torch.randn(bs, self.vocab_size, device=self.device, dtype=self.info.dtype)
             if bs == 1:
-                apply_token_bitmask_(logits, torch.full((1, -(-self.vocab_size // 32)), -1, dtype=torch.int32))
+                allowed = RowMasks(torch.full((1, -(-self.vocab_size // 32)), -1, dtype=torch.int32),
+                                   torch.zeros(1, dtype=torch.int64))
+                apply_token_bitmask_(logits, allowed)
             for temperature in (0.0, 1.0):
                 sb = make_sampling_batch([SamplingParams(temperature=temperature)] * bs, [0] * bs, [0] * bs, self.device)
                 sample(logits, sb)
@@ -500,7 +501,7 @@ class ModelRunner:
         logits: torch.Tensor,
         sampling: Seq[Sequence],
         bans: Seq[list[int]] | None = None,
-        bitmask: torch.Tensor | None = None,
+        bitmask: torch.Tensor | RowMasks | None = None,
         steps: Seq[int] | None = None,
         widths: Seq[int] | None = None,
     ) -> torch.Tensor:
@@ -508,7 +509,8 @@ class ModelRunner:
         tokens stay on the device (int64 [len(sampling)]): this only launches work.
 
         bans[i]: token ids forbidden for sampling[i] (min_tokens); bitmask: int32 CPU
-        [len(sampling), ceil(V/32)] from the grammar matchers (rows without a grammar all -1) or None.
+        [len(sampling), ceil(V/32)] from the grammar matchers (rows without a grammar all -1), as a
+        tensor or RowMasks (gathered on the device), or None.
         steps: the sampler's counter per row (default: each sequence's num_generated); speculative
         decoding samples several positions of one sequence in one step: widths[i] consecutive rows
         are sampling[i]'s (default one each; bans, bitmask and steps are then per row).
@@ -518,9 +520,7 @@ class ModelRunner:
             if rows:
                 ban_tokens_(logits, rows, [bans[i] for i in rows])
         if bitmask is not None:
-            from batchinfer.structured.bitmask import apply_token_bitmask_
-
-            apply_token_bitmask_(logits, bitmask.to(self.device, non_blocking=True))
+            apply_token_bitmask_(logits, bitmask)
         return sample(logits, self.sampling_batch(sampling, steps, widths))
 
     def token_logprobs(self, logits: torch.Tensor, sampling: Seq[Sequence], tokens: torch.Tensor) -> StepLogprobs | None:

@@ -6,7 +6,7 @@
 # TESTS=1 runs the GPU tests of the engine, kernels and sampler; TESTS=all the whole `pytest -m gpu` suite (what a
 # GPU-path change needs before it lands). BASE=1 (carry .base too) runs each spec again on the tree in .base/
 # (`rm -rf .base && mkdir .base && git archive REV | tar -x -C .base`, git-ignored) right after this tree's
-# run, so the two compare inside one call. Next for issue 21 (branch rowmasks against main):
+# run, so the two compare inside one call. E.g. (the sixteenth session's RowMasks A/B, BENCHMARKS.md):
 #   TESTS=all BASE=1 ARGS=--plain-twin bash scripts/gpu_bench.sh docs1000-json:qwen2.5-1.5b
 source scripts/device_setup.sh
 root=$PWD

@@ -212,6 +212,8 @@ class ModelRunner:
         self.graphs = self.mixed_graphs = self.verify_graphs = None
         self.kv_caches = []
         self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what was freed goes back to the device, not only to torch's cache
 
     @torch.inference_mode()
     def _warm_up_sampling(self) -> None:
@@ -286,8 +288,15 @@ class ModelRunner:
         """Run the largest step once; keep its activation peak (activation_peak_bytes) and return the
         free device memory after it. With EngineConfig.step_profile_cache, a profile of an earlier
         start with the same key is read back instead (engine/step_profile_cache.py): the free memory
-        now, less what that forward left in use."""
+        now, less what that forward left in use.
+
+        Memory torch's allocator holds but no tensor uses (an engine closed earlier in this process
+        left its KV cache there) counts as free: the cache is emptied before measuring. Measured
+        without that, an engine built after another in one process (the bench's oracle run, a
+        notebook, a reused worker) sized its KV cache from what the driver saw free: after the bench's
+        plain recording run, docs1000 ran ~25 sequences at a time instead of 256."""
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         free_before, _ = torch.cuda.mem_get_info(self.device)
         path = self._step_profile_path()
         cached = step_profile_cache.read(path) if path is not None else None

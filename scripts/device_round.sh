@@ -11,8 +11,10 @@ run() {  # name need_s bench-args...
   timeout "$(left)" bench throughput "$@" --out "$OUT/$name.json" 2>&1 | grep -v -i -E "warn|regex pattern" \
     | grep -E "^elapsed|decode-only|^speculative|oracle drafts|decode 193|prefill/mixed|decode 17|plain twin|constrained again"
 }
-run docs1000-oracle10 100 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10
-run docs1000-plain 50 --workload docs1000 --model qwen3-0.6b
+run nano256-oracle10-k6 45 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
 run nano256-oracle10 45 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10
 run nano256-plain 30 --workload nano256 --model qwen3-0.6b
+run docs1000-oracle10 100 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10
+run docs1000-plain 50 --workload docs1000 --model qwen3-0.6b
+run docs1000-oracle10-k6 100 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
 run docs1000-json-twin-0.6b 80 --workload docs1000-json --model qwen3-0.6b --plain-twin

@@ -21,9 +21,9 @@ if [ "${ROUND:-1}" = 1 ]; then
   run nano256-plain 30 --workload nano256 --model qwen3-0.6b
   run docs1000-oracle10-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
   run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
+  run docs1000-json-twin-0.6b 80 --workload docs1000-json --model qwen3-0.6b --plain-twin
   run nano256-oracle10 40 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10
   run docs1000-oracle10-k6-serial 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6 --no-spec-lanes
-  run docs1000-json-twin-0.6b 80 --workload docs1000-json --model qwen3-0.6b --plain-twin
 else  # round 2: the whole job (issue 21), grammar drafts and the 8B grammar twin
   LIMIT=200 bash scripts/gpu_job_ab.sh qwen3-0.6b:2000:new qwen2.5-7b:1000:new
   run docs1000-json-spec-grammar 80 --workload docs1000-json --model qwen3-0.6b --speculative grammar

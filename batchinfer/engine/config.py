@@ -88,7 +88,7 @@ class EngineConfig:
     speculative: speculative decoding (engine/speculative.py SpeculativeConfig, or a dict of its
         fields, e.g. {"method": "ngram+grammar", "num_tokens": 4}); None: off. Steps with drafts
         cannot look ahead (their drafts follow the tokens the step before accepts): on a GPU with
-        overlap they run in two lanes of sequences taking turns (engine/speculative.py Lanes,
+        overlap they run in two lanes of sequences taking turns (engine/lanes.py,
         `speculative.lanes`), else serially.
     step_profile_cache: on a GPU, keep what the KV sizing's profiling forward measured in the cache
         folder ($BATCHINFER_CACHE, else ~/.cache/batchinfer) and read it back on a later start with the

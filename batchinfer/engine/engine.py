@@ -71,13 +71,14 @@ from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.finish import append_token, make_result
 from batchinfer.engine.grammar import GrammarState, StartedFill, Verdict
 from batchinfer.engine.kv_cache import BlockAllocator
+from batchinfer.engine.lanes import Lanes
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.prefill_policy import make_prefill_policy
 from batchinfer.engine.request import Request, Result
 from batchinfer.engine.sampled_tokens import SampledTokens
 from batchinfer.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from batchinfer.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from batchinfer.engine.speculative import Drafter, Lanes, SpecCounts, Speculator, spec_fields
+from batchinfer.engine.speculative import Drafter, SpecCounts, Speculator, spec_fields
 from batchinfer.engine.stats import StepStats
 from batchinfer.engine.step_cost import StepCost, device_ceilings
 from batchinfer.models.loader import load_tokenizer
@@ -211,7 +212,7 @@ class Engine:
 
     @property
     def verify_lanes(self) -> bool:
-        """Whether verify steps (speculative decoding) run in two lanes (engine/speculative.py Lanes)."""
+        """Whether verify steps (speculative decoding) run in two lanes (engine/lanes.py)."""
         return self._lanes is not None
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ compute it. A prompt that shares only part of its prefix (a common system prompt
 How many prefill tokens a step takes once its decodes are placed is the prefill policy's call
 (engine/prefill_policy.py, by name: `budget` all the budget left, `slack` what the decode step absorbs).
 
-Lanes (speculative verify steps, engine/speculative.py Lanes): `schedule(lane)` plans a step of the
+Lanes (speculative verify steps, engine/lanes.py): `schedule(lane)` plans a step of the
 running sequences of one lane only (Sequence.lane), while the other lane's step may be in flight with
 its drafts appended: sequences it admits join that lane (up to half of max_num_seqs per lane, and
 about half of what waits, so the lanes stay even), and

@@ -39,7 +39,7 @@ its ordinary overlapped loop instead. Whether the other steps draft can be measu
 against plain steps; the better one runs, the other is probed now and then.
 Steps with drafts cannot look ahead as plain steps do (engine.py): with EngineConfig.overlap they
 run in two lanes of sequences taking turns, one lane's host work under the other's device work
-(Lanes, below); without it serially (Speculator.step). The masks of drafted positions are filled on
+(engine/lanes.py); without it serially (Speculator.step). The masks of drafted positions are filled on
 the loop's thread. A verify step's host work is kept to one pass per sequence per phase and numpy
 per row (engine/verify.py:
 counters, bans, accepted prefixes, appending; the runner packs the verify rows' sample index with
@@ -63,7 +63,6 @@ import torch
 from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
 from batchinfer.engine.request import Result
 from batchinfer.engine.sampled_tokens import SampledTokens
-from batchinfer.engine.scheduler import ScheduledStep
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.spec_gate import SpecGate
 from batchinfer.engine.verify import (
@@ -93,7 +92,7 @@ class SpeculativeConfig:
     are off (engine/drafts.py DraftLength); gate: speculate only where steps with drafts measure
     a higher output rate than plain steps (engine/spec_gate.py); off (the default: on an H200 it
     changed little either way, BENCHMARKS.md): every step with room for drafts drafts; lanes: run
-    verify steps in two lanes of sequences taking turns (Lanes); None: on a GPU with
+    verify steps in two lanes of sequences taking turns (engine/lanes.py); None: on a GPU with
     EngineConfig.overlap (on the CPU the model runs on the host, so no host work would hide)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
@@ -206,7 +205,7 @@ class _Plan:
 
 
 @dataclass
-class _Verify:
+class VerifyStep:
     """A launched verify step: its tokens are read by Speculator.finish (tokens None: nothing samples)."""
 
     step: Any  # engine/scheduler.ScheduledStep
@@ -354,7 +353,7 @@ class Speculator:
         engine._report(verify.step, t0, len(results))
         return results
 
-    def launch(self, engine: Any, lane: int | None = None) -> _Verify:
+    def launch(self, engine: Any, lane: int | None = None) -> VerifyStep:
         """Propose drafts, schedule the step (of one lane's sequences, or all), launch its forward and
         sampling, and start the copy of its tokens to the host; nothing here waits for the device."""
         counts = SpecCounts()
@@ -368,7 +367,7 @@ class Speculator:
                     seq.drop_drafts()
         engine._phase("schedule")
         if not step.seqs:
-            return _Verify(step, [], np.zeros(0, dtype=np.int64), plans, counts)
+            return VerifyStep(step, [], np.zeros(0, dtype=np.int64), plans, counts)
         t0 = time.perf_counter()
         for seq in step.seqs:
             if seq.scheduled is None:
@@ -380,9 +379,9 @@ class Speculator:
         logits = engine._device_call(engine.runner.forward, batch)
         engine._phase("launch")
         tokens = self._sample(engine, logits, sampling, widths, plans)
-        return _Verify(step, sampling, widths, plans, counts, tokens)
+        return VerifyStep(step, sampling, widths, plans, counts, tokens)
 
-    def finish(self, engine: Any, verify: _Verify) -> list[Result]:
+    def finish(self, engine: Any, verify: VerifyStep) -> list[Result]:
         """Wait for a launched step's tokens, accept each draft's matching prefix, append the emitted
         tokens and finish the sequences they end. The finished Results."""
         results: list[Result] = []
@@ -462,79 +461,3 @@ class Speculator:
                     seq.matcher.fill_next_token_bitmask(mask, row)
             row += width
         return mask
-
-
-class Lanes:
-    """Verify steps in two lanes, so that the host's work of one hides under the device's of the other.
-
-    A verify step cannot be planned before the step before it is read: its drafts follow the tokens
-    that step accepts. Run serially (Speculator.step), all of the host's work between two steps
-    (accepting and appending the tokens, drafting, scheduling, packing) is device idle time: 4-5 ms
-    of a 17 ms step of 256 sequences on an H100 host (BENCHMARKS.md). Here the running sequences are
-    split into two lanes (Sequence.lane) that take turns: an iteration reads lane L's step, then
-    drafts, schedules (Scheduler.schedule(lane)) and launches L's next one, while the device runs the
-    other lane's step, launched an iteration earlier. Each step holds about half the sequences, so the
-    weights are read twice per round; what the host does per sequence is the same.
-
-    Outputs are those of the serial steps (a sequence's draws depend on its own tokens and counter,
-    never on which sequences share its step). Before a step that is not a verify step (prefill
-    filling the budget, or the gate choosing a plain step) the engine drains both lanes.
-    """
-
-    def __init__(self, speculator: Speculator) -> None:
-        self.speculator = speculator
-        self._flight: list[_Verify | None] = [None, None]
-        self._next = 0  # the lane whose step is read and launched next (its step in flight is the older)
-
-    @property
-    def busy(self) -> bool:
-        return self._flight[0] is not None or self._flight[1] is not None
-
-    def step(self, engine: Any) -> list[Result]:
-        """One iteration: read the next lane's step in flight (if any), then launch its next one."""
-        t0 = self._begin(engine)
-        if not self.busy:
-            for i, seq in enumerate(engine.scheduler.running):  # a fresh start: split them evenly
-                seq.lane = i & 1
-        lane, self._next = self._next, self._next ^ 1
-        done, self._flight[lane] = self._flight[lane], None
-        results = self.speculator.finish(engine, done) if done is not None else []
-        if done is not None and not self.speculator.has_room(engine):
-            # the sequences it finished let waiting prompts fill the next step: no room for drafts,
-            # so the engine's next iteration runs a plain step, after the other lane is read
-            self._report(engine, done, t0, len(results))
-            return results + self.drain(engine)
-        launched = self.speculator.launch(engine, lane)
-        if launched.step.seqs:
-            self._flight[lane] = launched
-        self._report(engine, done, t0, len(results))
-        return results
-
-    def drain(self, engine: Any) -> list[Result]:
-        """Read both lanes' steps in flight, the older first."""
-        results: list[Result] = []
-        for lane in (self._next, self._next ^ 1):
-            done, self._flight[lane] = self._flight[lane], None
-            if done is not None:
-                t0 = self._begin(engine)
-                finished = self.speculator.finish(engine, done)
-                self._report(engine, done, t0, len(finished))
-                results += finished
-        return results
-
-    def abandon(self) -> None:
-        """Forget the steps in flight (the engine is aborting every sequence: their tokens are never read)."""
-        self._flight = [None, None]
-
-    @staticmethod
-    def _begin(engine: Any) -> float:
-        t0 = time.perf_counter()
-        engine._wait_s, engine._idle_ms = 0.0, None
-        engine._phases, engine._phase_t = {}, t0
-        return t0
-
-    @staticmethod
-    def _report(engine: Any, done: _Verify | None, t0: float, num_finished: int) -> None:
-        """StepStats of the iteration, for the step it read (an empty one on an iteration that read none)."""
-        engine._spec_counts = done.counts if done is not None else None
-        engine._report(done.step if done is not None else ScheduledStep(), t0, num_finished)

@@ -16,9 +16,9 @@ run() {  # name need_s bench-args...
 }
 if [ "${ROUND:-1}" = 1 ]; then
   # lanes are the default on a GPU; --no-spec-lanes: the serial verify steps before them
-  run nano256-oracle10-k6 40 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
-  run nano256-oracle10-k6-serial 40 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6 --no-spec-lanes
+  run nano256-oracle10-k6 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
   run nano256-plain 30 --workload nano256 --model qwen3-0.6b
+  run nano256-oracle10-k6-serial 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6 --no-spec-lanes
   run docs1000-oracle10-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
   run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
   run docs1000-json-twin-0.6b 80 --workload docs1000-json --model qwen3-0.6b --plain-twin

@@ -20,12 +20,11 @@ compute it. A prompt that shares only part of its prefix (a common system prompt
 How many prefill tokens a step takes once its decodes are placed is the prefill policy's call
 (engine/prefill_policy.py, by name: `budget` all the budget left, `slack` what the decode step absorbs).
 
-Lanes (speculative verify steps, engine/lanes.py): `schedule(lane)` plans a step of the
-running sequences of one lane only (Sequence.lane), while the other lane's step may be in flight with
-its drafts appended: sequences it admits join that lane (up to half of max_num_seqs per lane, and
-about half of what waits, so the lanes stay even), and
-only sequences of that lane are preempted (a sequence in flight is never touched). `schedule()` plans
-every running sequence.
+Lanes (speculative verify steps, engine/lanes.py): `schedule(lane)` plans a step of the running
+sequences of one lane only (Sequence.lane), while the other lane's step may be in flight with its
+drafts appended. The sequences it admits join that lane (up to half of max_num_seqs per lane, and
+about half of what waits, so the lanes stay even); only sequences of that lane are preempted (a
+sequence in flight is never touched). `schedule()` plans every running sequence.
 """
 
 from __future__ import annotations
@@ -121,7 +120,7 @@ class Scheduler:
     # --- one step -------------------------------------------------------------------------
 
     def schedule(self, lane: int | None = None) -> ScheduledStep:
-        """The next step: every running sequence's work, or (lane given) only that lane's (see Lanes above)."""
+        """The next step: every running sequence's work, or (lane given) only that lane's (module docstring)."""
         step = ScheduledStep()
         self.num_steps += 1
         self._lane = lane

@@ -315,3 +315,29 @@ def test_lanes_take_turns_with_the_other_lane_in_flight(tiny_model):
     decode = [(n, busy) for _, _, n, busy in seen if n]
     assert max(n for n, _ in decode) == 4, "the 8 sequences were not split 4 and 4"
     assert sum(busy for _, busy in decode) > len(decode) / 2
+
+
+def test_lanes_stay_even_when_one_lanes_sequences_finish_first(tiny_model):
+    """Sequences finish unevenly: before a lane launches, its excess moves to the other lane, so no
+    step holds more than half the running sequences (rounded up) and the tail still takes turns."""
+    rng = random.Random(8)
+    lengths = [6, 6, 6, 6, 40, 40, 40, 40]  # a lane admits four at a time: the short ones all sit in lane 0
+    reqs = [Request(f"u{i}", rand_prompt(rng, 6), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, n in enumerate(lengths)]
+    plain = run(make_engine(tiny_model), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": True}, drafter=oracle(truth, 0.0, 500))
+    spec, seen = engine.speculator, []
+    launch = spec.launch
+
+    def launch_lane(eng, lane=None):
+        running = len(eng.scheduler.running)
+        verify = launch(eng, lane)
+        seen.append((len(verify.step.seqs), running))
+        return verify
+
+    spec.launch = launch_lane
+    assert_same(plain, run(engine, reqs))
+    assert all(n <= -(-running // 2) for n, running in seen[2:]), seen
+    tail = [n for n, running in seen[2:] if running == 4]
+    assert tail and max(tail) == 2, seen  # the four long answers' tail: two a step, lanes taking turns

@@ -39,9 +39,6 @@ class Lanes:
     def step(self, engine: Any) -> list[Result]:
         """One iteration: read the next lane's step in flight (if any), then launch its next one."""
         t0 = self._begin(engine)
-        if not self.busy:
-            for i, seq in enumerate(engine.scheduler.running):  # a fresh start: split them evenly
-                seq.lane = i & 1
         lane, self._next = self._next, self._next ^ 1
         done, self._flight[lane] = self._flight[lane], None
         results = self.speculator.finish(engine, done) if done is not None else []
@@ -50,11 +47,24 @@ class Lanes:
             # so the engine's next iteration runs a plain step, after the other lane is read
             self._report(engine, done, t0, len(results))
             return results + self.drain(engine)
+        self._even_out(engine, lane)
         launched = self.speculator.launch(engine, lane)
         if launched.step.seqs:
             self._flight[lane] = launched
         self._report(engine, done, t0, len(results))
         return results
+
+    @staticmethod
+    def _even_out(engine: Any, lane: int) -> None:
+        """Before `lane` launches: if it holds more of the running sequences than the other lane, its
+        newest move there, half the difference (none is in flight: this lane's step was just read, and
+        the other lane's sequences stay where they are). Sequences finish unevenly, so without this a
+        job's tail could leave one lane empty and the other's steps serial."""
+        running = engine.scheduler.running
+        mine = [s for s in running if s.lane == lane]
+        move = len(mine) - len(running) // 2 - (len(running) % 2 if lane == 0 else 0)
+        for seq in mine[len(mine) - move:] if move > 0 else ():
+            seq.lane = lane ^ 1
 
     def drain(self, engine: Any) -> list[Result]:
         """Read both lanes' steps in flight, the older first."""

@@ -57,7 +57,7 @@ class Sim:
     def launch(self, lane: int | None = None):
         """Schedule a step (of one lane's sequences, or all) and write its KV, checking the invariants."""
         s, a = self.s, self.s.allocator
-        step = s.schedule(lane)
+        step = s.schedule() if lane is None else s.schedule(lane)  # (a subclass may wrap schedule())
         self.steps += 1
         assert step.total_tokens <= s.config.max_num_batched_tokens
         assert len(s.running) <= s.config.max_num_seqs

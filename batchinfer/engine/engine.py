@@ -362,9 +362,7 @@ class Engine:
         """One loop iteration without drafts: sample step N+1 (launching its forward first if that
         has not happened yet), read and post-process step N, and plan step N+2 while N+1's masks
         fill (see the module docstring; plan_ahead=False: no N+2)."""
-        t0 = time.perf_counter()
-        self._wait_s, self._idle_ms = 0.0, None
-        self._phases, self._phase_t = {}, t0
+        t0 = self._begin_iteration()
         plan, self._planned = self._planned, None
         if plan is None:
             plan = self._plan(t0)
@@ -439,6 +437,14 @@ class Engine:
         logits = self._device_call(self.runner.forward, plan.batch)
         plan.forward = (logits, self._last_end, start, self.runner.mark())
         self._phase("launch")
+
+    def _begin_iteration(self) -> float:
+        """Start one loop iteration's accounting (its phases, the host's waits, the device's idle gaps:
+        StepStats); returns its start time."""
+        t0 = time.perf_counter()
+        self._wait_s, self._idle_ms = 0.0, None
+        self._phases, self._phase_t = {}, t0
+        return t0
 
     def _phase(self, name: str) -> None:
         """Charge the host time since the last mark to phase `name` of this iteration (StepStats.phases_ms)."""

@@ -16,7 +16,6 @@ budget, or the gate choosing a plain step) the engine drains both lanes.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from batchinfer.engine.request import Result
@@ -38,7 +37,7 @@ class Lanes:
 
     def step(self, engine: Any) -> list[Result]:
         """One iteration: read the next lane's step in flight (if any), then launch its next one."""
-        t0 = self._begin(engine)
+        t0 = engine._begin_iteration()
         lane, self._next = self._next, self._next ^ 1
         done, self._flight[lane] = self._flight[lane], None
         results = self.speculator.finish(engine, done) if done is not None else []
@@ -72,7 +71,7 @@ class Lanes:
         for lane in (self._next, self._next ^ 1):
             done, self._flight[lane] = self._flight[lane], None
             if done is not None:
-                t0 = self._begin(engine)
+                t0 = engine._begin_iteration()
                 finished = self.speculator.finish(engine, done)
                 self._report(engine, done, t0, len(finished))
                 results += finished
@@ -81,13 +80,6 @@ class Lanes:
     def abandon(self) -> None:
         """Forget the steps in flight (the engine is aborting every sequence: their tokens are never read)."""
         self._flight = [None, None]
-
-    @staticmethod
-    def _begin(engine: Any) -> float:
-        t0 = time.perf_counter()
-        engine._wait_s, engine._idle_ms = 0.0, None
-        engine._phases, engine._phase_t = {}, t0
-        return t0
 
     @staticmethod
     def _report(engine: Any, done: VerifyStep | None, t0: float, num_finished: int) -> None:

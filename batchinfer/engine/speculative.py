@@ -344,9 +344,7 @@ class Speculator:
 
     def step(self, engine: Any) -> list[Result]:
         """One serial engine step with drafts: propose, schedule, verify, then accept and finish."""
-        t0 = time.perf_counter()
-        engine._wait_s, engine._idle_ms = 0.0, None
-        engine._phases, engine._phase_t = {}, t0
+        t0 = engine._begin_iteration()
         verify = self.launch(engine)
         results = self.finish(engine, verify) if verify.step.seqs else []
         engine._spec_counts = verify.counts

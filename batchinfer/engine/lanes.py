@@ -59,9 +59,8 @@ class Lanes:
         newest move there, half the difference (none is in flight: this lane's step was just read, and
         the other lane's sequences stay where they are). Sequences finish unevenly, so without this a
         job's tail could leave one lane empty and the other's steps serial."""
-        running = engine.scheduler.running
-        mine = [s for s in running if s.lane == lane]
-        move = len(mine) - len(running) // 2 - (len(running) % 2 if lane == 0 else 0)
+        n, mine = len(engine.scheduler.running), engine.scheduler.running_in(lane)
+        move = len(mine) - n // 2 - (n % 2 if lane == 0 else 0)
         for seq in mine[len(mine) - move:] if move > 0 else ():
             seq.lane = lane ^ 1
 

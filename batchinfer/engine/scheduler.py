@@ -104,6 +104,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def running_in(self, lane: int | None) -> list[Sequence]:
+        """The running sequences of a lane (None: all), oldest admission first (a new list)."""
+        return list(self.running) if lane is None else [s for s in self.running if s.lane == lane]
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished sequence and free its blocks.
 
@@ -195,9 +199,8 @@ class Scheduler:
         return most if lane is None else (most + 1 - lane) // 2
 
     def _mine(self) -> list[Sequence]:
-        """The running sequences this schedule() plans (all, or the lane's), oldest admission first."""
-        lane = self._lane
-        return list(self.running) if lane is None else [s for s in self.running if s.lane == lane]
+        """The running sequences this schedule() plans (all, or the lane's)."""
+        return self.running_in(self._lane)
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -245,7 +245,7 @@ class Speculator:
         sched = engine.scheduler
         most = sched.config.max_num_batched_tokens
         base = 0  # decodes + prefill tokens of the step without drafts (up to `most`)
-        for s in self._running(engine, lane):
+        for s in engine.scheduler.running_in(lane):
             base += len(s.token_ids) - s.num_computed_tokens - s.num_draft  # (drafts: a lane's step in flight)
         if len(sched.running) < sched.config.max_num_seqs:
             for s in sched.waiting:
@@ -266,7 +266,7 @@ class Speculator:
         max_len = engine.max_model_len
         grammar = cfg.uses_grammar
         more_source = cfg.uses_ngram or self.drafter is not None
-        for seq in self._running(engine, lane):
+        for seq in engine.scheduler.running_in(lane):
             if budget <= 0:
                 break
             n, c = len(seq.token_ids), seq.num_computed_tokens
@@ -360,7 +360,7 @@ class Speculator:
         step = engine.scheduler.schedule(lane)
         if counts.drafted:
             scheduled = set(step.seqs)
-            for seq in self._running(engine, lane):  # drafts of sequences the step does not run
+            for seq in engine.scheduler.running_in(lane):  # drafts of sequences the step does not run
                 if seq.num_draft and seq not in scheduled:
                     seq.drop_drafts()
         engine._phase("schedule")
@@ -392,11 +392,6 @@ class Speculator:
                                  verify.tokens.logprobs, verify.counts, verify.plans)
             engine._phase("post")
         return results
-
-    @staticmethod
-    def _running(engine: Any, lane: int | None) -> list[Sequence]:
-        running = engine.scheduler.running
-        return running if lane is None else [s for s in running if s.lane == lane]
 
     def _sample(self, engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray,
                 plans: dict[int, _Plan]) -> SampledTokens | None:

@@ -457,11 +457,6 @@ def _record_oracle(cfg: EngineConfig, workload: str, scale: float, shard, spec_t
         wl = load_workload(workload, plain.tokenizer, plain.model_info.vocab_size, plain.max_model_len, scale=scale, shard=shard)
         truth = {r.request_id: r.output_token_ids for r in plain.generate(wl.requests)}
         vocab = plain.model_info.vocab_size
-    if torch.cuda.is_available():
-        # the measured engine is built next, in this process: give the closed engine's memory back to
-        # the device first, or its KV cache sits in torch's allocator and the measured engine's KV
-        # sizing sees a fraction of the device free (docs1000 then ran ~25 sequences at a time)
-        torch.cuda.empty_cache()
     return oracle_drafter(truth, corrupt, vocab)
 
 

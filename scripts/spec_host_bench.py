@@ -7,7 +7,7 @@ the host part stays as large as on the GPU for the same batch (it depends on the
 drafts, not on the model size).
 
 Run: `python3 scripts/spec_host_bench.py [--requests 256] [--scale 0.25] [--corrupt 0.3]
-[--repeats 3] [--json out.json]`. The workload is nano256 (make_workload, fixed seed: 256 requests,
+[--repeats 3] [--lanes] [--json out.json]`. The workload is nano256 (make_workload, fixed seed: 256 requests,
 temperature 0.6, ignore_eos) with lengths shrunk by `--scale`; it runs plain once to record each
 request's output, then with oracle drafts (bench/oracle.py, `--spec-tokens` per step, a share
 `--corrupt` corrupted) `--repeats` times. Reported per run: the mean host ms per phase over the
@@ -29,7 +29,9 @@ from pathlib import Path
 
 TINY_BODY = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32)
-DEVICE_PHASES = ("launch", "read_tokens")  # the forward and the sampling run synchronously on the CPU
+# the forward and the sampling run synchronously on the CPU (sample_launch: the sampling, launched
+# on a GPU; read_tokens: waiting for the step's tokens)
+DEVICE_PHASES = ("launch", "sample_launch", "read_tokens")
 
 
 def model_folder(out: Path) -> Path:
@@ -74,7 +76,7 @@ def run_spec(folder: Path, requests, truth, args) -> dict:
     from batchinfer.engine import Engine
 
     steps = []
-    spec = {"method": "ngram+grammar", "num_tokens": args.spec_tokens}
+    spec = {"method": "ngram+grammar", "num_tokens": args.spec_tokens, "lanes": args.lanes}
     batch_ms: list[float] = []  # per step: host ms building the sampler's inputs (inside read_tokens)
 
     def on_step(stats) -> None:
@@ -114,6 +116,8 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.25)
     ap.add_argument("--corrupt", type=float, default=0.3)
     ap.add_argument("--spec-tokens", type=int, default=4)
+    ap.add_argument("--lanes", action="store_true",
+                    help="verify steps in two lanes (engine/lanes.py; the CPU default is serial): host ms per lane step")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--min-rows", type=int, default=128, help="verify steps with at least this many rows")
     ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "batchinfer-spec-host-bench")

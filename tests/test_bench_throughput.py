@@ -108,11 +108,15 @@ def test_cli_set_rejects_unknown_fields_and_wrong_types(tmp_path):
         assert res.exit_code == 2 and msg in res.output, res.output
 
 
-def test_oracle_speculation_reports_acceptance(tiny_model, tmp_path):
-    """--speculative oracle: drafts from a recorded plain run; uncorrupted they are all accepted."""
+@pytest.mark.parametrize("lanes", [None, True])
+def test_oracle_speculation_reports_acceptance(tiny_model, tmp_path, lanes):
+    """--speculative oracle: drafts from a recorded plain run; uncorrupted they are all accepted.
+    --spec-lanes: the report says how verify steps ran (default on the CPU: serially)."""
     r = run_throughput(str(tiny_model), "nano256", scale=0.02, cache_dir=tmp_path, speculative="oracle",
-                       spec_tokens=3, oracle_corrupt=0.0)
+                       spec_tokens=3, oracle_corrupt=0.0, spec_lanes=lanes)
     sp = r["speculative"]
+    assert sp["lanes"] is bool(lanes)
+    assert ("two lanes" if lanes else "verify steps serial") in format_report(r)
     assert r["errors"] == 0 and sp["verified"] > 0 and sp["accepted"] == sp["verified"]
     assert sp["tokens_per_seq_per_forward"] > 1.5
     assert "tokens per sequence per forward" in format_report(r)

@@ -313,11 +313,36 @@ def test_a_repeat_start_reads_the_step_profile_instead_of_profiling(tmp_path, mo
     third.close()
 
 
+def test_an_engine_built_after_another_was_closed_gets_as_large_a_kv_cache(tmp_path, monkeypatch):
+    """A process that builds an engine after closing another (the bench's oracle recording run, a
+    notebook, a reused worker): the closed one's memory counts as free again, with the step profile
+    read back from the first start and with profiling alike. No gc or empty_cache by the caller: the
+    first engine is still referenced."""
+    from batchinfer.bench.shapes import write_shape
+
+    monkeypatch.setenv("BATCHINFER_CACHE", str(tmp_path / "cache"))
+    folder = write_shape("qwen3-0.6b", tmp_path / "qwen3-0.6b")
+    cfg = EngineConfig(model=str(folder), dtype="bfloat16", device="cuda", load_format="random", cuda_graphs=False,
+                       max_model_len=2048, kv_cache_memory_fraction=0.5)
+    first = Engine(cfg)
+    blocks = first.runner.num_blocks
+    first.close()
+    second = Engine(cfg)
+    assert second.runner.step_profile_cached
+    assert abs(second.runner.num_blocks - blocks) <= 0.02 * blocks, (second.runner.num_blocks, blocks)
+    second.close()
+    third = Engine(replace(cfg, step_profile_cache=False))
+    assert abs(third.runner.num_blocks - blocks) <= 0.02 * blocks, (third.runner.num_blocks, blocks)
+    third.close()
+
+
+@pytest.mark.parametrize("lanes", [False, True], ids=["serial", "lanes"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs):
-    """Speculative decoding on the GPU (float32, triton attention, mixed-step graphs on or off): drafts
-    from a plain run's output, 30% corrupted, verified in one forward; greedy and seeded sampling give
-    the plain run's tokens; no KV block leaks."""
+def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lanes):
+    """Speculative decoding on the GPU (float32, triton attention, mixed-step graphs on or off, verify
+    steps serial or in two lanes, one lane's step queued behind the other's): drafts from a plain run's
+    output, 30% corrupted, verified in one forward; greedy and seeded sampling give the plain run's
+    tokens; no KV block leaks."""
     from batchinfer.bench.oracle import oracle_drafter
 
     reqs = _requests(24, 500, max_tokens=30, temperature=0.0) + [
@@ -328,7 +353,7 @@ def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs):
     steps: list = []
     engine = Engine(
         EngineConfig(model=str(tiny_model), dtype="float32", device="cuda", attention_backend="triton", max_num_seqs=40,
-                     num_kv_blocks=512, cuda_graphs=graphs, speculative={"num_tokens": 4}),
+                     num_kv_blocks=512, cuda_graphs=graphs, speculative={"num_tokens": 4, "lanes": lanes}),
         on_step=steps.append, drafter=oracle_drafter(plain, 0.3, 500),
     )
     replays: list[int] = []
@@ -339,6 +364,7 @@ def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs):
         verify.run = lambda ids, *rest: replays.append(ids.shape[0]) or real_run(ids, *rest)
     spec = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
     assert spec == plain
+    assert engine.verify_lanes is lanes
     assert bool(replays) == graphs, replays
     assert sum(s.spec_accepted for s in steps) > 0
     engine.allocator.check()

@@ -114,3 +114,52 @@ def test_activation_estimate_is_near_the_measured_peak_of_the_largest_step(model
     # more tokens or more rows never lower it
     assert kv_budget.estimate_activation_bytes(replace(cfg, max_num_batched_tokens=2 * tokens), info) > estimate
     assert kv_budget.estimate_activation_bytes(replace(cfg, max_num_seqs=2 * rows), info) >= estimate
+
+
+class _Allocator:
+    """torch.cuda's memory as the KV sizing sees it, on the CPU: the driver's free bytes, and what
+    torch's caching allocator holds without a tensor in it (given back by empty_cache)."""
+
+    def __init__(self, free: int, cached: int) -> None:
+        self.free, self.cached, self.allocated, self.peak = free, cached, 0, 0
+
+    def empty_cache(self) -> None:
+        self.free, self.cached = self.free + self.cached, 0
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "empty_cache", self.empty_cache)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (self.free, 80 << 30))
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: self.peak)
+
+
+@pytest.mark.parametrize("profile_cached", [False, True])
+def test_memory_a_closed_engine_left_in_torchs_cache_counts_as_free(tmp_path, monkeypatch, profile_cached):
+    """An engine built after another was closed in one process: the closed one's KV cache sits in
+    torch's caching allocator, which the driver counts as used. The KV sizing counts it free, with
+    the step profile read back from a file and with a profiling forward alike, and a stored profile
+    keeps what the forward itself left in use (not what the closed engine left)."""
+    from types import SimpleNamespace
+
+    from batchinfer.engine import step_profile_cache
+    from batchinfer.engine.model_runner import ModelRunner
+
+    gib = 1 << 30
+    mem = _Allocator(free=10 * gib, cached=50 * gib)
+    mem.install(monkeypatch)
+    path = tmp_path / "profile.json"
+    if profile_cached:
+        step_profile_cache.write(path, step_profile_cache.StepProfile(activation_peak_bytes=gib, retained_bytes=gib // 4))
+
+    def profile_step() -> None:  # the largest step: 1 GiB at its peak, 256 MiB left in use after it
+        mem.peak, mem.free, mem.allocated = gib, mem.free - gib // 4, gib // 4
+
+    runner = SimpleNamespace(device=torch.device("cuda", 0), _step_profile_path=lambda: path, profile_step=profile_step,
+                             step_profile_cached=False)
+    free = ModelRunner._profile_free_bytes(runner)
+    assert free == 60 * gib - gib // 4
+    assert runner.activation_peak_bytes == gib
+    assert runner.step_profile_cached == profile_cached
+    assert step_profile_cache.read(path).retained_bytes == gib // 4

@@ -63,8 +63,8 @@ def test_copy_rows():
 @given(pairs=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)), max_size=12, unique_by=lambda p: p[0]),
        same=st.booleans())
 def test_copy_rows_equals_one_indexed_copy(pairs, same):
-    """Grouped by source (one broadcast write each) or not, the rows equal one gathered copy made
-    before any write, also within one tensor whose sources are targets too."""
+    """The rows equal one gathered copy made before any write, also within one tensor whose sources
+    are targets too."""
     src = torch.arange(8 * WORDS, dtype=torch.int32).reshape(8, WORDS)
     dst = src.clone() if same else torch.full((8, WORDS), -1, dtype=torch.int32)
     rows, sources = [d for d, _ in pairs], [s for _, s in pairs]

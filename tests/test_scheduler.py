@@ -52,14 +52,18 @@ class Sim:
         return seq.block_ids[pos // bs] * bs + pos % bs
 
     def step(self) -> None:
+        self.complete(self.launch())
+
+    def launch(self, lane: int | None = None):
+        """Schedule a step (of one lane's sequences, or all) and write its KV, checking the invariants."""
         s, a = self.s, self.s.allocator
-        step = s.schedule()
+        step = s.schedule() if lane is None else s.schedule(lane)  # (a subclass may wrap schedule())
         self.steps += 1
         assert step.total_tokens <= s.config.max_num_batched_tokens
         assert len(s.running) <= s.config.max_num_seqs
         assert sum(step.num_tokens) == step.total_tokens
         assert len({id(q) for q in step.seqs}) == len(step.seqs)
-        assert step.seqs or step.preempted or not s.has_work(), "no progress"
+        assert step.seqs or step.preempted or not s.has_work() or lane is not None, "no progress"  # (a lane may be empty)
         a.check()
         self.max_used = max(self.max_used, a.num_used)
         for seq, n in zip(step.seqs, step.num_tokens):
@@ -72,9 +76,16 @@ class Sim:
                 block = seq.block_ids[pos // s.block_size]
                 assert a.refcounts[block] == 1, "writing into a shared block"
                 self.kv[self.slot(seq, pos)] = tuple(seq.token_ids[: pos + 1])
+        return step
+
+    def complete(self, step) -> None:
+        """Read a launched step: complete it, append the sampled tokens, finish some sequences."""
+        s, a = self.s, self.s.allocator
         s.complete_step(step)
         a.check()
         for seq, sampled in zip(step.seqs, step.samples):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             assert sampled == (seq.num_remaining == 0)
             if not sampled:
                 continue
@@ -126,6 +137,46 @@ def test_random_mix_all_finish_once_no_leak(
         if rng.random() < 0.3:  # requests also arrive while others run
             sim.step()
     sim.run()
+    assert_drained(sched, sim, seqs, num_blocks)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_blocks=st.integers(6, 40),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_seqs=st.integers(2, 6),
+    budget=st.integers(2, 48),
+    num_reqs=st.integers(1, 12),
+    sharing=st.booleans(),
+)
+def test_lanes_never_touch_the_other_lane_in_flight(seed, num_blocks, block_size, max_seqs, budget, num_reqs, sharing):
+    """Two lanes taking turns (engine/lanes.py): each step is scheduled while the other lane's step is
+    in flight (launched, not yet read). A lane's step holds only its own sequences, admits into it, and
+    never preempts or reallocates the other lane's; every request still finishes once, nothing leaks."""
+    rng = random.Random(seed)
+    sched = build(num_blocks, block_size, max_seqs, budget, sharing=sharing, reserve=0)
+    sim = Sim(sched, rng, eos_prob=0.1)
+    seqs = []
+    for i in range(num_reqs):
+        seq = make_seq(i, [rng.randrange(50) for _ in range(rng.randint(1, 16))], rng.randint(1, 12))
+        if sched.check(seq) is None:
+            seqs.append(seq)
+            sched.add(seq)
+    in_flight: list = [None, None]
+    lane = 0
+    while sched.has_work() or any(in_flight):
+        if in_flight[lane] is not None:
+            sim.complete(in_flight[lane])
+            in_flight[lane] = None
+        others = {id(q): list(q.block_ids) for q in sched.running if q.lane != lane}
+        step = sim.launch(lane)
+        assert all(q.lane == lane for q in step.seqs), "a step held the other lane's sequence"
+        assert not any(id(q) in others for q in step.preempted), "the other lane's sequence was preempted"
+        assert {id(q): q.block_ids for q in sched.running if id(q) in others} == others, "the other lane's blocks moved"
+        in_flight[lane] = step if step.seqs else None
+        lane ^= 1
+        assert sim.steps < 5000, "no progress"
     assert_drained(sched, sim, seqs, num_blocks)
 
 

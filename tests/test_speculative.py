@@ -66,11 +66,12 @@ def rand_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
-def plain_and_oracle(path, reqs, corrupt, method="ngram", **kw):
+def plain_and_oracle(path, reqs, corrupt, method="ngram", lanes=False, **kw):
+    """Plain outputs, outputs with oracle drafts (verify steps serial, or in two lanes), their steps."""
     plain = run(make_engine(path, **kw), reqs)
     truth = {rid: r.output_token_ids for rid, r in plain.items()}
     steps: list = []
-    engine = make_engine(path, {"method": method, "num_tokens": 4}, on_step=steps.append,
+    engine = make_engine(path, {"method": method, "num_tokens": 4, "lanes": lanes}, on_step=steps.append,
                          drafter=oracle(truth, corrupt, 500), **kw)
     return plain, run(engine, reqs), steps
 
@@ -118,7 +119,11 @@ def test_config_checks_and_dict_form():
 # --- token identity ------------------------------------------------------------------------------
 
 
-def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model):
+LANES = pytest.mark.parametrize("lanes", [False, True], ids=["serial", "lanes"])
+
+
+@LANES
+def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model, lanes):
     corrupt = 0.3
     rng = random.Random(1)
     reqs = [Request(f"r{i}", rand_prompt(rng, 4 + 9 * i), SamplingParams(max_tokens=18, temperature=t, seed=i, ignore_eos=True))
@@ -126,7 +131,7 @@ def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model):
     reqs.append(Request("topk", rand_prompt(rng, 7), SamplingParams(max_tokens=15, temperature=0.9, top_k=20, top_p=0.9, seed=4)))
     reqs.append(Request("minp", rand_prompt(rng, 5), SamplingParams(max_tokens=15, temperature=1.0, min_p=0.05, seed=5, min_tokens=9)))
     reqs.append(Request("lp", rand_prompt(rng, 6), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)))
-    plain, spec, steps = plain_and_oracle(tiny_model, reqs, corrupt)
+    plain, spec, steps = plain_and_oracle(tiny_model, reqs, corrupt, lanes=lanes)
     assert_same(plain, spec)
     # same tokens; values within float32 noise (the verify step's matmuls have other shapes)
     assert len(spec["lp"].logprobs) == 8
@@ -141,7 +146,8 @@ def test_oracle_drafts_same_tokens_greedy_and_seeded(tiny_model):
     assert emitted > sum(s.spec_decode_rows for s in steps)
 
 
-def test_stops_min_tokens_and_chunked_prefill(tiny_model):
+@LANES
+def test_stops_min_tokens_and_chunked_prefill(tiny_model, lanes):
     rng = random.Random(2)
     base = [Request(f"p{i}", rand_prompt(rng, n), SamplingParams(max_tokens=16, temperature=t, seed=i, ignore_eos=True))
             for i, (n, t) in enumerate([(3, 0.0), (40, 0.9), (17, 1.0)])]
@@ -153,13 +159,14 @@ def test_stops_min_tokens_and_chunked_prefill(tiny_model):
         reqs.append(Request(f"min{i}", r.prompt_token_ids, replace(r.sampling, stop_token_ids=(out[1],), min_tokens=7)))
         if len(text) > 8:
             reqs.append(Request(f"str{i}", r.prompt_token_ids, replace(r.sampling, stop=(text[4:7],))))
-    plain, spec, steps = plain_and_oracle(tiny_model, reqs, 0.2, max_num_batched_tokens=48, max_num_seqs=5)
+    plain, spec, steps = plain_and_oracle(tiny_model, reqs, 0.2, lanes=lanes, max_num_batched_tokens=48, max_num_seqs=5)
     assert_same(plain, spec)
     assert sum(s.spec_accepted for s in steps) > 0
     assert any(s.num_prefill_tokens and s.spec_verified for s in steps), "no step mixed prefill with drafts"
 
 
-def test_no_verify_step_while_prefill_fills_the_budget(tiny_model):
+@LANES
+def test_no_verify_step_while_prefill_fills_the_budget(tiny_model, lanes):
     """While waiting prompts fill a step's token budget there is no room for drafts: those steps run
     the plain (overlapped) loop, not a verify step without drafts; the tokens stay the same."""
     rng = random.Random(4)
@@ -167,26 +174,27 @@ def test_no_verify_step_while_prefill_fills_the_budget(tiny_model):
             for i in range(8)]
     plain = run(make_engine(tiny_model, max_num_batched_tokens=32, max_num_seqs=4), reqs)
     truth = {rid: r.output_token_ids for rid, r in plain.items()}
-    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4}, drafter=oracle(truth, 0.0, 500),
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": lanes}, drafter=oracle(truth, 0.0, 500),
                          max_num_batched_tokens=32, max_num_seqs=4)
     spec, budgets = engine.speculator, []
-    verify = spec.step
+    launch = spec.launch
 
-    def step(eng):
-        budgets.append((spec._draft_budget(eng), len(eng.scheduler.waiting)))
-        return verify(eng)
+    def launch_verify(eng, lane=None):
+        budgets.append((spec._draft_budget(eng, lane), len(eng.scheduler.waiting)))
+        return launch(eng, lane)
 
-    spec.step = step
+    spec.launch = launch_verify
     assert_same(plain, run(engine, reqs))
     assert budgets and all(b > 0 for b, _ in budgets), budgets
     assert any(w == 0 for _, w in budgets)  # verify steps ran once the prompts were in
 
 
+@LANES
 @pytest.mark.parametrize(
     "config",
     [dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)],
 )
-def test_preemption_and_rollback_keep_the_allocator_sound(tiny_model, config):
+def test_preemption_and_rollback_keep_the_allocator_sound(tiny_model, config, lanes):
     rng = random.Random(3)
     reqs = [Request(f"p{i}", rand_prompt(rng, n), SamplingParams(max_tokens=16, temperature=[0.0, 0.8][i % 2], seed=i, ignore_eos=i != 3))
             for i, n in enumerate((20, 31, 12, 9))]
@@ -198,15 +206,19 @@ def test_preemption_and_rollback_keep_the_allocator_sound(tiny_model, config):
     plain = run(eager(make_engine(tiny_model, **config)), reqs)
     truth = {rid: r.output_token_ids for rid, r in plain.items()}
     steps: list = []
-    engine = eager(make_engine(tiny_model, {"num_tokens": 4}, on_step=steps.append, drafter=oracle(truth, 0.25, 500), **config))
+    engine = eager(make_engine(tiny_model, {"num_tokens": 4, "lanes": lanes}, on_step=steps.append,
+                               drafter=oracle(truth, 0.25, 500), **config))
     checks = []
     original = engine.scheduler.complete_step
 
     def checked(step):
         original(step)
         engine.allocator.check()
-        for seq in engine.scheduler.running:  # no drafts between steps; KV never ahead of tokens
-            assert seq.num_draft == 0 and seq.num_computed_tokens <= seq.num_tokens
+        for seq in engine.scheduler.running:
+            # no drafts between a sequence's steps (with lanes, the other lane's step in flight has
+            # its drafts); KV never ahead of tokens
+            assert seq.num_draft == 0 or (lanes and seq not in step.seqs)
+            assert seq.num_computed_tokens <= seq.num_tokens - seq.num_draft
             assert seq.num_registered_blocks * engine.allocator.block_size <= seq.num_computed_tokens
         checks.append(1)
 
@@ -217,25 +229,26 @@ def test_preemption_and_rollback_keep_the_allocator_sound(tiny_model, config):
     assert sum(r.num_preemptions for r in spec.values()) > 0, "the tiny cache never forced a preemption"
 
 
-def test_prefix_sharing_hashes_only_emitted_tokens(tiny_model):
+@LANES
+def test_prefix_sharing_hashes_only_emitted_tokens(tiny_model, lanes):
     """n answers of one prompt share its blocks; their outputs (drafts rejected mid-block) stay identical."""
     rng = random.Random(4)
     prompt = rand_prompt(rng, 37)
     reqs = [Request(f"n{i}", prompt, SamplingParams(max_tokens=20, temperature=0.9, seed=i, ignore_eos=True)) for i in range(4)]
     reqs += [Request("late", prompt + [5, 6], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
-    plain, spec, steps = plain_and_oracle(tiny_model, reqs, 0.5, block_size=4)
+    plain, spec, steps = plain_and_oracle(tiny_model, reqs, 0.5, lanes=lanes, block_size=4)
     assert_same(plain, spec)
 
 
-@given(st.integers(0, 10_000), st.floats(0.0, 0.6))
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_random_workloads_same_tokens(tiny_model, seed, corrupt):
+@given(st.integers(0, 10_000), st.floats(0.0, 0.6), st.booleans())
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_random_workloads_same_tokens(tiny_model, seed, corrupt, lanes):
     rng = random.Random(seed)
     reqs = [Request(f"h{i}", rand_prompt(rng, rng.randrange(1, 30)),
                     SamplingParams(max_tokens=rng.randrange(1, 14), temperature=rng.choice([0.0, 0.0, 0.7, 1.0]),
                                    seed=rng.randrange(100), ignore_eos=rng.random() < 0.7))
             for i in range(rng.randrange(1, 6))]
-    plain, spec, _ = plain_and_oracle(tiny_model, reqs, corrupt)
+    plain, spec, _ = plain_and_oracle(tiny_model, reqs, corrupt, lanes=lanes)
     assert_same(plain, spec)
 
 
@@ -250,9 +263,9 @@ def test_json_schema_same_tokens_and_valid(tiny_model, backend, method):
     by_id = {r.request_id: r for r in reqs}
     plain = run(make_engine(tiny_model, grammar_backend=backend), reqs)
     truth = {rid: r.output_token_ids for rid, r in plain.items()}
-    for drafter in (None, oracle(truth, 0.3, 500)):
+    for drafter, lanes in ((None, False), (oracle(truth, 0.3, 500), False), (oracle(truth, 0.3, 500), True)):
         steps: list = []
-        engine = make_engine(tiny_model, {"method": method, "num_tokens": 5}, on_step=steps.append,
+        engine = make_engine(tiny_model, {"method": method, "num_tokens": 5, "lanes": lanes}, on_step=steps.append,
                              drafter=drafter, grammar_backend=backend)
         spec = run(engine, reqs)
         assert_same(plain, spec)
@@ -275,3 +288,56 @@ def test_ngram_drafts_accepted_where_the_model_copies(tiny_model):
     assert_same(plain, spec)
     assert sum(s.spec_drafted for s in steps) > 0
     assert sum(s.spec_accepted for s in steps) > 0, "n-gram drafts never accepted on looping greedy output"
+
+
+def test_lanes_take_turns_with_the_other_lane_in_flight(tiny_model):
+    """With lanes, verify steps alternate between the two halves of the running sequences: each step
+    holds one lane's sequences only, and most launch while the other lane's step is in flight."""
+    rng = random.Random(7)
+    reqs = [Request(f"l{i}", rand_prompt(rng, 5 + i), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            for i in range(8)]
+    plain = run(make_engine(tiny_model), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": True}, drafter=oracle(truth, 0.2, 500))
+    spec, lanes, seen = engine.speculator, engine._lanes, []
+    launch = spec.launch
+
+    def launch_lane(eng, lane=None):
+        other_busy = lanes._flight[1 - lane] is not None
+        verify = launch(eng, lane)
+        seen.append((lane, {s.lane for s in verify.step.seqs}, len(verify.step.seqs), other_busy))
+        return verify
+
+    spec.launch = launch_lane
+    assert_same(plain, run(engine, reqs))
+    assert [lane for lane, *_ in seen[:6]] == [0, 1, 0, 1, 0, 1]
+    assert all(lanes_in <= {lane} for lane, lanes_in, _, _ in seen), "a step held another lane's sequence"
+    decode = [(n, busy) for _, _, n, busy in seen if n]
+    assert max(n for n, _ in decode) == 4, "the 8 sequences were not split 4 and 4"
+    assert sum(busy for _, busy in decode) > len(decode) / 2
+
+
+def test_lanes_stay_even_when_one_lanes_sequences_finish_first(tiny_model):
+    """Sequences finish unevenly: before a lane launches, its excess moves to the other lane, so no
+    step holds more than half the running sequences (rounded up) and the tail still takes turns."""
+    rng = random.Random(8)
+    lengths = [6, 6, 6, 6, 40, 40, 40, 40]  # a lane admits four at a time: the short ones all sit in lane 0
+    reqs = [Request(f"u{i}", rand_prompt(rng, 6), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, n in enumerate(lengths)]
+    plain = run(make_engine(tiny_model), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": True}, drafter=oracle(truth, 0.0, 500))
+    spec, seen = engine.speculator, []
+    launch = spec.launch
+
+    def launch_lane(eng, lane=None):
+        running = len(eng.scheduler.running)
+        verify = launch(eng, lane)
+        seen.append((len(verify.step.seqs), running))
+        return verify
+
+    spec.launch = launch_lane
+    assert_same(plain, run(engine, reqs))
+    assert all(n <= -(-running // 2) for n, running in seen[2:]), seen
+    tail = [n for n, running in seen[2:] if running == 4]
+    assert tail and max(tail) == 2, seen  # the four long answers' tail: two a step, lanes taking turns

@@ -75,6 +75,10 @@ def throughput(
     oracle_corrupt: float = typer.Option(0.0, "--oracle-corrupt", help="With --speculative oracle: share of draft tokens corrupted."),
     spec_gate: bool = typer.Option(False, "--spec-gate/--no-spec-gate",
                                    help="With --speculative: draft only where steps with drafts measure faster than plain ones."),
+    spec_lanes: Optional[bool] = typer.Option(
+        None, "--spec-lanes/--no-spec-lanes",
+        help="With --speculative: verify steps in two lanes taking turns, or serially (default: lanes on a GPU).",
+    ),
     plain_twin: bool = typer.Option(
         False, "--plain-twin/--no-plain-twin",
         help="With a constrained workload (docs1000-json): also time the same prompts unconstrained, each for as many tokens "
@@ -123,7 +127,7 @@ def throughput(
             raise ValueError("--plain-twin runs with one engine (no --data-parallel)")
         result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir,
                                 speculative=speculative, spec_tokens=spec_tokens, oracle_corrupt=oracle_corrupt,
-                                spec_gate=spec_gate, plain_twin=plain_twin)
+                                spec_gate=spec_gate, spec_lanes=spec_lanes, plain_twin=plain_twin)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

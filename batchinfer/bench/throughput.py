@@ -152,6 +152,7 @@ def run_throughput(
     oracle_corrupt: float = 0.0,
     spec_gate: bool = False,
     plain_twin: bool = False,
+    spec_lanes: bool | None = None,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
 
@@ -165,7 +166,8 @@ def run_throughput(
     speculative: ngram | grammar | ngram+grammar | oracle (engine.speculative with spec_tokens drafts);
     oracle: the workload runs plain once (untimed, its own engine) to record every request's output,
     then the measured run drafts that output with a share oracle_corrupt of draft tokens corrupted
-    (bench/oracle.py). spec_gate: speculate only where it measures faster (engine.speculative.gate).
+    (bench/oracle.py). spec_gate: speculate only where it measures faster (engine.speculative.gate);
+    spec_lanes: engine.speculative.lanes (None: the engine's default, lanes on a GPU).
     plain_twin: see measure_workload.
     """
     if data_parallel not in (None, 1):
@@ -179,7 +181,7 @@ def run_throughput(
         if speculative == "oracle":
             drafter = _record_oracle(cfg, workload, scale, shard, spec_tokens, oracle_corrupt)
         method = "ngram+grammar" if speculative == "oracle" else speculative
-        cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens, "gate": spec_gate})
+        cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens, "gate": spec_gate, "lanes": spec_lanes})
     t_load = time.perf_counter()
     bench = BenchEngine(cfg, drafter)
     load_s = time.perf_counter() - t_load
@@ -364,7 +366,7 @@ def measure_workload(
         "cpu_share_of_step": (sum(cpu_ms) / sum(step_ms)) if cpu_ms and step_ms and sum(step_ms) > 0 else None,
         "step_breakdown": breakdown,
         "decode_only": decode_only_rate(steps),
-        "speculative": spec_summary(steps) if cfg.speculative is not None else None,
+        "speculative": {**spec_summary(steps), "lanes": engine.verify_lanes} if cfg.speculative is not None else None,
         "speculation_gate": _gate_summary(engine),
         "grammar_masks": _grammar_masks(engine, grammar0),
         "oracle_corrupt": oracle_corrupt if speculative == "oracle" else None,
@@ -455,11 +457,6 @@ def _record_oracle(cfg: EngineConfig, workload: str, scale: float, shard, spec_t
         wl = load_workload(workload, plain.tokenizer, plain.model_info.vocab_size, plain.max_model_len, scale=scale, shard=shard)
         truth = {r.request_id: r.output_token_ids for r in plain.generate(wl.requests)}
         vocab = plain.model_info.vocab_size
-    if torch.cuda.is_available():
-        # the measured engine is built next, in this process: give the closed engine's memory back to
-        # the device first, or its KV cache sits in torch's allocator and the measured engine's KV
-        # sizing sees a fraction of the device free (docs1000 then ran ~25 sequences at a time)
-        torch.cuda.empty_cache()
     return oracle_drafter(truth, corrupt, vocab)
 
 
@@ -619,6 +616,7 @@ def format_report(r: dict) -> str:
             f"speculative: drafted {sp['drafted']:,}, verified {sp['verified']:,}, accepted {sp['accepted']:,} "
             f"(acceptance {fmt(sp['acceptance'])}); mean accepted per sequence-step {fmt(sp['mean_accepted_per_seq_step'])}; "
             f"tokens per sequence per forward {fmt(sp['tokens_per_seq_per_forward'])}"
+            + {True: "; verify steps in two lanes", False: "; verify steps serial"}.get(sp.get("lanes"), "")
             + (f"; oracle corrupt {r['oracle_corrupt']}" if r.get("oracle_corrupt") is not None else "")
         )
         gate = r.get("speculation_gate")

@@ -86,8 +86,10 @@ class EngineConfig:
         sequences waiting, or still prefilling) make the step take the whole budget; None:
         max(1, max_num_seqs // 32).
     speculative: speculative decoding (engine/speculative.py SpeculativeConfig, or a dict of its
-        fields, e.g. {"method": "ngram+grammar", "num_tokens": 4}); None: off. On, the loop runs
-        serially (overlap is ignored).
+        fields, e.g. {"method": "ngram+grammar", "num_tokens": 4}); None: off. Steps with drafts
+        cannot look ahead (their drafts follow the tokens the step before accepts): on a GPU with
+        overlap they run in two lanes of sequences taking turns (engine/lanes.py,
+        `speculative.lanes`), else serially.
     step_profile_cache: on a GPU, keep what the KV sizing's profiling forward measured in the cache
         folder ($BATCHINFER_CACHE, else ~/.cache/batchinfer) and read it back on a later start with the
         same model shapes, settings, GPU and software instead of running that forward again

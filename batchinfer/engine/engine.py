@@ -71,9 +71,11 @@ from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.finish import append_token, make_result
 from batchinfer.engine.grammar import GrammarState, StartedFill, Verdict
 from batchinfer.engine.kv_cache import BlockAllocator
-from batchinfer.engine.model_runner import ModelRunner, SampledTokens
+from batchinfer.engine.lanes import Lanes
+from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.prefill_policy import make_prefill_policy
 from batchinfer.engine.request import Request, Result
+from batchinfer.engine.sampled_tokens import SampledTokens
 from batchinfer.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from batchinfer.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from batchinfer.engine.speculative import Drafter, SpecCounts, Speculator, spec_fields
@@ -184,6 +186,11 @@ class Engine:
             if config.speculative is not None else None
         )
         self._spec_counts: SpecCounts | None = None  # the current step's, when speculating
+        # verify steps in two lanes, one's host work under the other's device work
+        lanes = None if config.speculative is None else config.speculative.lanes
+        if lanes is None:
+            lanes = config.overlap and self.runner.device.type == "cuda"
+        self._lanes = Lanes(self.speculator) if self.speculator is not None and lanes else None
         self._appended = 0  # output tokens appended to sequences so far (the speculation gate's measure)
 
     def _prefill_policy(self):
@@ -202,6 +209,11 @@ class Engine:
                                    max_idle_slots=idle, graph_sizes=sizes)
 
     # --- public API -------------------------------------------------------------------------
+
+    @property
+    def verify_lanes(self) -> bool:
+        """Whether verify steps (speculative decoding) run in two lanes (engine/lanes.py)."""
+        return self._lanes is not None
 
     def close(self) -> None:
         """Release the device memory now (CUDA graphs and their pools, KV cache, model) and the
@@ -329,18 +341,19 @@ class Engine:
         gate = spec.gate
         # a step whose token budget prefill fills has no room for drafts: with them it would only be
         # a plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md)
+        lanes = self._lanes
         if not spec.has_room(self):
             if gate is not None:
                 gate.passed()
-            return self._plain_step()
+            return (lanes.drain(self) if lanes is not None else []) + self._plain_step()
         t, rows, before = time.perf_counter(), len(self.scheduler.running), self._appended
         drafts = gate is None or gate.choose(rows)
         if drafts:
             results = self._plain_step(plan_ahead=False) if self._planned is not None else []  # sample the planned step
-            results += self._read_inflight(None)[0] if self._inflight is not None else []  # verify steps run serially
-            results += spec.step(self)
+            results += self._read_inflight(None)[0] if self._inflight is not None else []  # (a plain step in flight)
+            results += lanes.step(self) if lanes is not None else spec.step(self)
         else:
-            results = self._plain_step()
+            results = (lanes.drain(self) if lanes is not None else []) + self._plain_step()
         if gate is not None:
             gate.record(rows, drafts, self._appended - before, time.perf_counter() - t)
         return results
@@ -349,9 +362,7 @@ class Engine:
         """One loop iteration without drafts: sample step N+1 (launching its forward first if that
         has not happened yet), read and post-process step N, and plan step N+2 while N+1's masks
         fill (see the module docstring; plan_ahead=False: no N+2)."""
-        t0 = time.perf_counter()
-        self._wait_s, self._idle_ms = 0.0, None
-        self._phases, self._phase_t = {}, t0
+        t0 = self._begin_iteration()
         plan, self._planned = self._planned, None
         if plan is None:
             plan = self._plan(t0)
@@ -426,6 +437,14 @@ class Engine:
         logits = self._device_call(self.runner.forward, plan.batch)
         plan.forward = (logits, self._last_end, start, self.runner.mark())
         self._phase("launch")
+
+    def _begin_iteration(self) -> float:
+        """Start one loop iteration's accounting (its phases, the host's waits, the device's idle gaps:
+        StepStats); returns its start time."""
+        t0 = time.perf_counter()
+        self._wait_s, self._idle_ms = 0.0, None
+        self._phases, self._phase_t = {}, t0
+        return t0
 
     def _phase(self, name: str) -> None:
         """Charge the host time since the last mark to phase `name` of this iteration (StepStats.phases_ms)."""
@@ -563,6 +582,8 @@ class Engine:
         behind it on the stream, so freeing its blocks now is safe.
         """
         self._planned = None  # (its forward may be queued: later device work queues behind it)
+        if self._lanes is not None:
+            self._lanes.abandon()  # (likewise the verify steps in flight)
         if self._inflight is not None:
             for seq in self._inflight.sampling:
                 if seq.pending_row is not None:

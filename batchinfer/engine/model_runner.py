@@ -11,8 +11,8 @@ The KV cache is sized by engine/kv_budget.py from a profiled largest step.
 
 For the engine's overlap loop, a step can be prepared before the tokens of the step in flight are
 on the host: rows whose last input token is still pending gather it on the device from that step's
-sampled-token tensor, and `sample_tokens` + `SampledTokens` leave the new tokens on the device with
-an event-guarded copy to pinned memory, so the host syncs only when it reads them.
+sampled-token tensor, and `sample_tokens` leaves the new tokens on the device (the engine copies them
+to the host through engine/sampled_tokens.py, so the host syncs only when it reads them).
 
 `close()` releases the graphs (and their memory pool), the KV cache and the model.
 """
@@ -102,30 +102,6 @@ class StepBatch:
     gather_src: torch.Tensor | None = None  # ... and the rows of its sampled tokens that hold them
 
 
-class SampledTokens:
-    """One step's sampled tokens: kept on the device (the next step gathers its input ids from
-    `tensor`) and copied, without blocking the host, into pinned host memory; `tolist()` waits for
-    that copy only (a CUDA event), not for work launched after it."""
-
-    def __init__(self, device_tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> None:
-        self.tensor = device_tokens
-        self.event: torch.cuda.Event | None = None  # a timing event: it also ends the step's timeline
-        # the rows' logprobs (engine/logprobs.py), when some row asked: copied with the tokens, read after tolist()
-        self.logprobs = logprobs.to_host_async() if logprobs is not None else None
-        if device_tokens.device.type == "cuda":
-            self._host = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
-            self._host.copy_(device_tokens, non_blocking=True)
-            self.event = torch.cuda.Event(enable_timing=True)
-            self.event.record()
-        else:
-            self._host = device_tokens
-
-    def tolist(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self._host.tolist()
-
-
 class ModelRunner:
     """Loads the model, sizes and allocates the paged KV cache, executes steps."""
 
@@ -212,6 +188,8 @@ class ModelRunner:
         self.graphs = self.mixed_graphs = self.verify_graphs = None
         self.kv_caches = []
         self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what was freed goes back to the device, not only to torch's cache
 
     @torch.inference_mode()
     def _warm_up_sampling(self) -> None:
@@ -286,8 +264,15 @@ class ModelRunner:
         """Run the largest step once; keep its activation peak (activation_peak_bytes) and return the
         free device memory after it. With EngineConfig.step_profile_cache, a profile of an earlier
         start with the same key is read back instead (engine/step_profile_cache.py): the free memory
-        now, less what that forward left in use."""
+        now, less what that forward left in use.
+
+        Memory torch's allocator holds but no tensor uses (an engine closed earlier in this process
+        left its KV cache there) counts as free: the cache is emptied before measuring. Measured
+        without that, an engine built after another in one process (the bench's oracle run, a
+        notebook, a reused worker) sized its KV cache from what the driver saw free: after the bench's
+        plain recording run, docs1000 ran ~25 sequences at a time instead of 256."""
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         free_before, _ = torch.cuda.mem_get_info(self.device)
         path = self._step_profile_path()
         cached = step_profile_cache.read(path) if path is not None else None

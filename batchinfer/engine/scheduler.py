@@ -19,6 +19,12 @@ compute it. A prompt that shares only part of its prefix (a common system prompt
 
 How many prefill tokens a step takes once its decodes are placed is the prefill policy's call
 (engine/prefill_policy.py, by name: `budget` all the budget left, `slack` what the decode step absorbs).
+
+Lanes (speculative verify steps, engine/lanes.py): `schedule(lane)` plans a step of the running
+sequences of one lane only (Sequence.lane), while the other lane's step may be in flight with its
+drafts appended. The sequences it admits join that lane (up to half of max_num_seqs per lane, and
+about half of what waits, so the lanes stay even); only sequences of that lane are preempted (a
+sequence in flight is never touched). `schedule()` plans every running sequence.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class Scheduler:
         self.block_size = allocator.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admission first
+        self._lane: int | None = None  # the lane the schedule() under way plans (None: all)
         self.num_preemptions = 0
 
     def check(self, seq: Sequence) -> str | None:
@@ -97,6 +104,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def running_in(self, lane: int | None) -> list[Sequence]:
+        """The running sequences of a lane (None: all), oldest admission first (a new list)."""
+        return list(self.running) if lane is None else [s for s in self.running if s.lane == lane]
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished sequence and free its blocks.
 
@@ -112,16 +123,18 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, lane: int | None = None) -> ScheduledStep:
+        """The next step: every running sequence's work, or (lane given) only that lane's (module docstring)."""
         step = ScheduledStep()
         self.num_steps += 1
+        self._lane = lane
         budget = self.config.max_num_batched_tokens
         view = self._view(budget)
         # the policy is asked only when some prefill could run (a prefilling sequence, or a free slot
         # and a sequence waiting for it)
         prefill_budget = self.policy.prefill_tokens(view) if view.budget and view.idle_slots else view.budget
         step.prefill_limited = prefill_budget < view.budget
-        for seq in list(self.running):
+        for seq in self._mine():
             if seq.status is not SequenceStatus.RUNNING or seq.final_pending or step.total_tokens >= budget:
                 continue
             is_decode = seq.num_remaining == 1 + seq.num_draft
@@ -142,7 +155,7 @@ class Scheduler:
         """The step as the prefill policy sees it before any prefill is placed (StepView)."""
         decode_rows = decode_context = prefilling = active = 0
         prefill_context, oldest = -1, self.num_steps
-        for s in self.running:
+        for s in self._mine():
             if s.final_pending:
                 continue
             active += 1
@@ -154,7 +167,7 @@ class Scheduler:
                 oldest = min(oldest, s.admitted_step)
                 if prefill_context < 0:
                     prefill_context = s.num_computed_tokens
-        free = max(0, self.config.max_num_seqs - active)
+        free = max(0, self._seat_limit() - active)
         return StepView(
             budget=max(0, budget - decode_rows),
             decode_rows=decode_rows,
@@ -178,6 +191,16 @@ class Scheduler:
                 self._register_full_blocks(seq)
 
     # --- helpers --------------------------------------------------------------------------
+
+    def _seat_limit(self) -> int:
+        """The most running sequences this schedule() may hold: max_num_seqs, or a lane's half of it
+        (lane 0 the larger half, as Lanes splits the running sequences)."""
+        lane, most = self._lane, self.config.max_num_seqs
+        return most if lane is None else (most + 1 - lane) // 2
+
+    def _mine(self) -> list[Sequence]:
+        """The running sequences this schedule() plans (all, or the lane's)."""
+        return self.running_in(self._lane)
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -210,6 +233,8 @@ class Scheduler:
             if room >= 1:
                 break
             newer = self.running[self.running.index(seq) + 1 :]
+            if self._lane is not None:
+                newer = [s for s in newer if s.lane == self._lane]
             victim = newer[-1] if newer else seq
             self._preempt(victim, step)
             if victim is seq:
@@ -248,12 +273,16 @@ class Scheduler:
     def _admit_waiting(self, step: ScheduledStep, budget: int, held: list[Sequence]) -> None:
         # A final_pending sequence is done as soon as its token is read: its slot is free already
         # (it is never scheduled again, so steps still hold at most max_num_seqs rows).
-        active = sum(1 for s in self.running if not s.final_pending)
-        if budget <= 0 or active >= self.config.max_num_seqs:
+        active = sum(1 for s in self._mine() if not s.final_pending)
+        limit = self._seat_limit()
+        if self._lane is not None:  # keep the lanes even: this one takes about half of what waits
+            other = sum(1 for s in self.running if s.lane != self._lane and not s.final_pending)
+            limit = min(limit, active + max(0, -(-(other + len(self.waiting) - active) // 2)))
+        if budget <= 0 or active >= limit:
             return  # nothing can be admitted (a full decode step while prompts wait): skip the block count
         outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)
         in_progress = self._prefixes_in_progress() if self.config.enable_prefix_sharing else set()
-        while self.waiting and budget > 0 and active < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and active < limit:
             seq = self.waiting[0]
             shared = self._match_prefix(seq) if self.config.enable_prefix_sharing else []
             whole = self._whole_prefix(seq)
@@ -274,6 +303,8 @@ class Scheduler:
             seq.num_registered_blocks = len(shared)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_step = self.num_steps
+            if self._lane is not None:
+                seq.lane = self._lane
             self.running.append(seq)
             active += 1
             n = self._fit(seq, min(seq.num_remaining, budget), step)

@@ -59,6 +59,7 @@ class Sequence:
     # drafts this step verifies (never there between steps); spec: the per-sequence drafter state.
     num_draft: int = 0
     spec: Any = None
+    lane: int = 0  # which of the two verify lanes schedules it (engine/lanes.py)
     # Engine-side helpers and results.
     detokenizer: Any = None
     matcher: Any = None

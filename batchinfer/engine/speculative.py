@@ -37,9 +37,11 @@ While waiting prompts fill a step's token budget (no room for a draft: has_room)
 its ordinary overlapped loop instead. Whether the other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
 against plain steps; the better one runs, the other is probed now and then.
-Steps with drafts run the serial loop (EngineConfig.overlap does not apply to them) and fill the
-masks of drafted positions on the loop's thread. Nothing of a verify step's host work hides behind
-the device, so it is kept to one pass per sequence per phase and numpy per row (engine/verify.py:
+Steps with drafts cannot look ahead as plain steps do (engine.py): with EngineConfig.overlap they
+run in two lanes of sequences taking turns, one lane's host work under the other's device work
+(engine/lanes.py); without it serially (Speculator.step). The masks of drafted positions are filled on
+the loop's thread. A verify step's host work is kept to one pass per sequence per phase and numpy
+per row (engine/verify.py:
 counters, bans, accepted prefixes, appending; the runner packs the verify rows' sample index with
 the step's inputs, and the sampler's per-sequence parameters are repeated per row, not rebuilt;
 scripts/spec_host_bench.py measures it). On a GPU a step with drafts replays a CUDA graph: a
@@ -60,6 +62,7 @@ import torch
 
 from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
 from batchinfer.engine.request import Result
+from batchinfer.engine.sampled_tokens import SampledTokens
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.spec_gate import SpecGate
 from batchinfer.engine.verify import (
@@ -88,7 +91,9 @@ class SpeculativeConfig:
     least this; probe_interval: steps between one-token probes of a sequence whose n-gram drafts
     are off (engine/drafts.py DraftLength); gate: speculate only where steps with drafts measure
     a higher output rate than plain steps (engine/spec_gate.py); off (the default: on an H200 it
-    changed little either way, BENCHMARKS.md): every step with room for drafts drafts."""
+    changed little either way, BENCHMARKS.md): every step with room for drafts drafts; lanes: run
+    verify steps in two lanes of sequences taking turns (engine/lanes.py); None: on a GPU with
+    EngineConfig.overlap (on the CPU the model runs on the host, so no host work would hide)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 
@@ -100,6 +105,7 @@ class SpeculativeConfig:
     accept_threshold: float = 0.1
     probe_interval: int = 8
     gate: bool = False
+    lanes: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -198,6 +204,18 @@ class _Plan:
     text: int = 0  # the `text` after them the forced text's; the rest n-gram (or the drafter's)
 
 
+@dataclass
+class VerifyStep:
+    """A launched verify step: its tokens are read by Speculator.finish (tokens None: nothing samples)."""
+
+    step: Any  # engine/scheduler.ScheduledStep
+    sampling: list[Sequence]
+    widths: np.ndarray
+    plans: dict[int, _Plan]
+    counts: SpecCounts
+    tokens: SampledTokens | None = None
+
+
 class Speculator:
     """Runs whole engine steps with speculative decoding (called by Engine._step when configured)."""
 
@@ -221,13 +239,14 @@ class Speculator:
         prefill (waiting prompts): then a step with drafts is a plain step run serially (engine.py)."""
         return self._draft_budget(engine) > 0
 
-    def _draft_budget(self, engine: Any) -> int:
-        """Draft tokens this step may verify: max_step_tokens minus what the step computes anyway."""
+    def _draft_budget(self, engine: Any, lane: int | None = None) -> int:
+        """Draft tokens this step (of one lane, or of every running sequence) may verify:
+        max_step_tokens minus what the step computes anyway."""
         sched = engine.scheduler
         most = sched.config.max_num_batched_tokens
         base = 0  # decodes + prefill tokens of the step without drafts (up to `most`)
-        for s in sched.running:
-            base += len(s.token_ids) - s.num_computed_tokens
+        for s in engine.scheduler.running_in(lane):
+            base += len(s.token_ids) - s.num_computed_tokens - s.num_draft  # (drafts: a lane's step in flight)
         if len(sched.running) < sched.config.max_num_seqs:
             for s in sched.waiting:
                 if base >= most:
@@ -235,19 +254,19 @@ class Speculator:
                 base += s.num_remaining
         return max(0, min(self.config.max_step_tokens, most) - min(most, base))
 
-    def propose(self, engine: Any, counts: SpecCounts) -> dict[int, _Plan]:
-        """Append drafts to every decoding sequence (within the budget), counted into `counts`
+    def propose(self, engine: Any, counts: SpecCounts, lane: int | None = None) -> dict[int, _Plan]:
+        """Append drafts to every decoding sequence (of the lane, if given; within the budget), counted into `counts`
         (drafted, forced_drafted, text_drafted). Returns the plans of the sequences with a grammar
         that drafted, by id(seq) (a draft without a grammar needs none: its tokens are all n-gram
         or the drafter's)."""
         plans: dict[int, _Plan] = {}
         drafted = 0
-        budget = self._draft_budget(engine)
+        budget = self._draft_budget(engine, lane)
         cfg = self.config
         max_len = engine.max_model_len
         grammar = cfg.uses_grammar
         more_source = cfg.uses_ngram or self.drafter is not None
-        for seq in engine.scheduler.running:
+        for seq in engine.scheduler.running_in(lane):
             if budget <= 0:
                 break
             n, c = len(seq.token_ids), seq.num_computed_tokens
@@ -324,24 +343,30 @@ class Speculator:
     # --- one step ---------------------------------------------------------------------------
 
     def step(self, engine: Any) -> list[Result]:
-        """One serial engine step with drafts: propose, schedule, verify, accept, finish."""
-        t0 = time.perf_counter()
-        engine._wait_s, engine._idle_ms = 0.0, None
-        engine._phases, engine._phase_t = {}, t0
+        """One serial engine step with drafts: propose, schedule, verify, then accept and finish."""
+        t0 = engine._begin_iteration()
+        verify = self.launch(engine)
+        results = self.finish(engine, verify) if verify.step.seqs else []
+        engine._spec_counts = verify.counts
+        engine._report(verify.step, t0, len(results))
+        return results
+
+    def launch(self, engine: Any, lane: int | None = None) -> VerifyStep:
+        """Propose drafts, schedule the step (of one lane's sequences, or all), launch its forward and
+        sampling, and start the copy of its tokens to the host; nothing here waits for the device."""
         counts = SpecCounts()
-        plans = self.propose(engine, counts)
+        plans = self.propose(engine, counts, lane)
         engine._phase("draft")
-        step = engine.scheduler.schedule()
+        step = engine.scheduler.schedule(lane)
         if counts.drafted:
             scheduled = set(step.seqs)
-            for seq in engine.scheduler.running:  # drafts of sequences the step does not run
+            for seq in engine.scheduler.running_in(lane):  # drafts of sequences the step does not run
                 if seq.num_draft and seq not in scheduled:
                     seq.drop_drafts()
         engine._phase("schedule")
         if not step.seqs:
-            engine._spec_counts = counts
-            engine._report(step, t0, 0)
-            return []
+            return VerifyStep(step, [], np.zeros(0, dtype=np.int64), plans, counts)
+        t0 = time.perf_counter()
         for seq in step.seqs:
             if seq.scheduled is None:
                 seq.scheduled = t0
@@ -351,33 +376,40 @@ class Speculator:
         engine._phase("prepare")
         logits = engine._device_call(engine.runner.forward, batch)
         engine._phase("launch")
-        tokens, logprobs = self._sample(engine, logits, sampling, widths, plans)
-        results = self._emit(engine, step, sampling, widths, tokens, logprobs, counts, plans)
-        engine._phase("post")
-        engine._spec_counts = counts
-        engine._report(step, t0, len(results))
+        tokens = self._sample(engine, logits, sampling, widths, plans)
+        return VerifyStep(step, sampling, widths, plans, counts, tokens)
+
+    def finish(self, engine: Any, verify: VerifyStep) -> list[Result]:
+        """Wait for a launched step's tokens, accept each draft's matching prefix, append the emitted
+        tokens and finish the sequences they end. The finished Results."""
+        results: list[Result] = []
+        if verify.tokens is not None:
+            t = time.perf_counter()
+            tokens = verify.tokens.tolist()
+            engine._wait_s += time.perf_counter() - t
+            engine._phase("read_tokens")
+            results = self._emit(engine, verify.step, verify.sampling, verify.widths, tokens,
+                                 verify.tokens.logprobs, verify.counts, verify.plans)
+            engine._phase("post")
         return results
 
     def _sample(self, engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray,
-                plans: dict[int, _Plan]) -> tuple[list[int], Any]:
-        """Draw every sampling row (sequence i's widths[i] positions) as plain decoding would draw
-        each position: its counter, its min_tokens bans, its grammar mask. The tokens and the
-        logprobs (on the host) where asked."""
+                plans: dict[int, _Plan]) -> SampledTokens | None:
+        """Launch the draw of every sampling row (sequence i's widths[i] positions) as plain decoding
+        would draw each position: its counter, its min_tokens bans, its grammar mask; the tokens (and
+        the logprobs where asked) are copied to the host without waiting (None: no row samples)."""
         first = generated_before(sampling)
         steps = row_steps(first, widths)
         bans = row_bans(sampling, widths, first, engine._bans_at)
         bitmask = self._bitmask(sampling, widths, plans)
         engine._phase("grammar_mask")
-        tokens: list[int] = []
-        logprobs = None
-        if sampling:
-            tokens_dev = engine._device_call(engine.runner.sample_tokens, logits, sampling, bans, bitmask, steps, widths)
-            logprobs = self._logprobs(engine, logits, sampling, widths, tokens_dev)
-            t = time.perf_counter()
-            tokens = tokens_dev.tolist()
-            engine._wait_s += time.perf_counter() - t
-        engine._phase("read_tokens")
-        return tokens, logprobs
+        if not sampling:
+            return None
+        tokens_dev = engine._device_call(engine.runner.sample_tokens, logits, sampling, bans, bitmask, steps, widths)
+        logprobs = self._logprobs(engine, logits, sampling, widths, tokens_dev)
+        tokens = SampledTokens(tokens_dev, logprobs)
+        engine._phase("sample_launch")
+        return tokens
 
     @staticmethod
     def _emit(engine: Any, step: Any, sampling: list[Sequence], widths: np.ndarray, tokens: list[int], logprobs: Any,
@@ -401,12 +433,11 @@ class Speculator:
 
     @staticmethod
     def _logprobs(engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray, tokens: torch.Tensor):
-        """The step's logprobs (copied to the host), when a sequence asks (those have no drafts)."""
+        """The step's logprobs (on the device), when a sequence asks (those have no drafts)."""
         if all(s.request.sampling.logprobs is None for s in sampling):
             return None
         rows_seq = [s for s, w in zip(sampling, widths.tolist()) for _ in range(w)]
-        logprobs = engine.runner.token_logprobs(logits, rows_seq, tokens)
-        return logprobs.to_host_async() if logprobs is not None else None
+        return engine.runner.token_logprobs(logits, rows_seq, tokens)
 
     def _bitmask(self, sampling: list[Sequence], widths: np.ndarray, plans: dict[int, _Plan]) -> torch.Tensor | None:
         """int32 bitmask of every sampling position (rows of sequences without a grammar all -1)."""

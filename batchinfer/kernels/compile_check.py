@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass, field
 
 H100_SHARED_MEMORY = 227 * 1024
+UNALIGNED_STRIDES = ("s_bt",)  # a block table's row: max blocks per sequence, any count
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,23 @@ def compile_variant(v: Variant):
 
     fn = getattr(importlib.import_module(f"batchinfer.kernels.{v.module}"), v.kernel)
     signature = {}
+    constexprs = dict(v.constexprs)
+    for param in fn.params:  # a constexpr the variant leaves out takes its default, as a launch does
+        if param.is_constexpr and param.has_default and param.name not in constexprs:
+            constexprs[param.name] = param.default
     for name in fn.arg_names:
-        if name in v.constexprs:
+        if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = "*" + v.pointers.get(name, v.pointers["default"])
         else:
             signature[name] = "fp32" if name in v.floats else "i32"
+    # what a launch specialises on (Triton's "D": divisible by 16): the pointers, and the strides
+    # (multiples of head_dim / hidden / block counts); else the loads would not be vectorised here
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if signature[name].startswith("*") or (name.startswith("s_") and name not in UNALIGNED_STRIDES)}
     return triton.compile(
-        ASTSource(fn, signature, v.constexprs),
+        ASTSource(fn, signature, constexprs, attrs),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": v.num_warps, "num_stages": v.num_stages},
     )

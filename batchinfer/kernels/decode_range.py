@@ -7,7 +7,10 @@ scale); an FP8 cache widens exactly, via float32 (the interpreter's FP8 -> bf16 
 and its V scale is applied by the caller. Both shorter routes measured slower: the direct
 e4m3 -> bf16 cast (0.83-0.90x on the H200) and computing in float16 (one e4m3x2 -> f16x2
 conversion, the query converted once: 0.92x on an H100); BENCHMARKS.md, seventh and thirteenth
-sessions. Returns (m, l, acc): the running max, the sum of exp2(score - m) and the unnormalised
+sessions. So did widening the tiles by inline PTX where they are loaded (0.93-0.99x on an H100,
+eighteenth session): the cast here leaves the V tile read from shared memory a byte per
+instruction (scripts/kernel_sass.py), but removing those reads does not move the FP8 cache's
+decode off ~70% of the copy bandwidth. Returns (m, l, acc): the running max, the sum of exp2(score - m) and the unnormalised
 output, for the caller to normalise or to merge.
 """
 

@@ -72,9 +72,12 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Torch reference: set logits of disallowed tokens to -inf in place; returns logits."""
-    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
-    logits.masked_fill_(~allowed, float("-inf"))
-    return logits
+    return _disallow_(logits, unpack_bitmask(bitmask.to(logits.device), logits.shape[-1]))
+
+
+def _disallow_(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits[~allowed] = -inf in place (allowed: bool, logits' shape); returns logits."""
+    return logits.masked_fill_(~allowed, float("-inf"))
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor | RowMasks) -> torch.Tensor:
@@ -86,8 +89,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor | RowMasks)
     """
     if isinstance(bitmask, RowMasks):
         if logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[0] == bitmask.shape[0]:
-            allowed = unpack_bitmask(bitmask.table, logits.shape[-1]).index_select(0, bitmask.index)
-            return logits.masked_fill_(~allowed, float("-inf"))
+            return _disallow_(logits, unpack_bitmask(bitmask.table, logits.shape[-1]).index_select(0, bitmask.index))
         bitmask = bitmask.on(logits.device)
     if logits.dim() != 2 or bitmask.dim() != 2 or logits.shape[0] != bitmask.shape[0]:
         raise ValueError(f"logits {tuple(logits.shape)} and bitmask {tuple(bitmask.shape)} must be [B, V] and [B, W]")

@@ -17,8 +17,8 @@ run() {  # name need_s bench-args...
 if [ "${ROUND:-1}" = 1 ]; then
   # drafts before waiting prompts in a step's budget (the default) against prompts first
   run docs1000-oracle10-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
-  run docs1000-oracle10-k6-prefill-first 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6 --spec-prefill-first
   run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
+  run docs1000-oracle10-k6-prefill-first 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6 --spec-prefill-first
   run nano256-oracle10-k6 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
   run nano256-plain 30 --workload nano256 --model qwen3-0.6b
   run docs1000-json-spec-grammar 70 --workload docs1000-json --model qwen3-0.6b --speculative grammar

@@ -12,8 +12,11 @@ run() {  # name need_s bench-args...
   local name=$1 need=$2; shift 2
   [ "$(left)" -ge "$need" ] || { echo "=== $name skipped ($(left) s left)"; return; }
   echo "=== $name"
-  timeout "$(left)" bench throughput "$@" --out "$OUT/$name.json" 2>&1 | grep -v -i -E "warn|regex pattern" \
+  timeout "$(left)" bench throughput "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -v -i -E "warn|regex pattern" "$OUT/$name.log" \
     | grep -E "^elapsed|decode-only|^speculative|oracle drafts|decode 193|decode 97|prefill/mixed|plain twin|constrained again"
+  [ "$rc" = 0 ] || { echo "--- $name exited $rc:"; tail -n 8 "$OUT/$name.log"; }
 }
 if [ "${ROUND:-1}" = 1 ]; then
   # drafts before waiting prompts in a step's budget (the default) against prompts first

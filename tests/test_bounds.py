@@ -163,6 +163,38 @@ def test_free_values_and_strings_are_bounded(compilers):
             assert text is not None and len(json.loads(text)["s"]) <= 5, backend
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dates_are_calendar_dates_in_every_backend(compilers, backend):
+    """format "date": February 29 only in leap years, no 31st of a 30-day month, no year 0000 (what the
+    validator's dates allow); the libraries' own date grammars took "3487-02-29"."""
+    comp = compilers[backend]
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"],
+              "additionalProperties": False}
+    g = comp.compile(Constraint.json_schema(schema))
+    for day, ok in [("2024-02-29", True), ("2000-02-29", True), ("0400-02-29", True), ("2023-12-31", True),
+                    ("3487-02-29", False), ("1900-02-29", False), ("2023-04-31", False), ("0000-01-01", False),
+                    ("2023-13-01", False), ("2023-02-30", False)]:
+        assert accepts(comp, g, json.dumps({"d": day}, separators=(",", ":"))) == ok, (backend, day)
+
+
+def test_date_pattern_is_the_calendar():
+    """DATE_PATTERN against Python's dates (what jsonschema's format check parses) over 2,500 years."""
+    import datetime
+
+    from batchinfer.structured.bounds import DATE_PATTERN
+
+    rx = re.compile(DATE_PATTERN)
+    for y in [*range(0, 2100), *range(9990, 10000)]:
+        for m in (0, 1, 2, 4, 12, 13):
+            for d in (0, 1, 28, 29, 30, 31, 32):
+                text = f"{y:04d}-{m:02d}-{d:02d}"
+                try:
+                    valid = bool(datetime.date.fromisoformat(text))
+                except ValueError:
+                    valid = False
+                assert bool(rx.fullmatch(text)) == valid, text
+
+
 def test_rewrite_keeps_the_schema_and_narrows_only_numbers():
     from batchinfer.structured import bounds
 

@@ -166,16 +166,21 @@ def test_stops_min_tokens_and_chunked_prefill(tiny_model, lanes):
 
 
 @LANES
-def test_no_verify_step_while_prefill_fills_the_budget(tiny_model, lanes):
-    """While waiting prompts fill a step's token budget there is no room for drafts: those steps run
-    the plain (overlapped) loop, not a verify step without drafts; the tokens stay the same."""
+@pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill-first", "drafts-first"])
+def test_verify_steps_while_prompts_wait(tiny_model, lanes, prefill_first):
+    """prefill_first: while waiting prompts fill a step's token budget there is no room for drafts:
+    those steps run the plain (overlapped) loop, not a verify step without drafts. Drafts first (the
+    default): the decoding sequences' drafts take their part of the budget while prompts still wait,
+    and the prompts are admitted into the rest. The tokens stay the same either way."""
     rng = random.Random(4)
-    reqs = [Request(f"r{i}", rand_prompt(rng, 30), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-            for i in range(8)]
-    plain = run(make_engine(tiny_model, max_num_batched_tokens=32, max_num_seqs=4), reqs)
+    reqs = [Request(f"r{i}", rand_prompt(rng, 30), SamplingParams(max_tokens=5 + 4 * (i % 4), temperature=0.0,
+                                                                ignore_eos=True))
+            for i in range(8)]  # they finish at different steps: prompts are admitted beside decodes
+    plain = run(make_engine(tiny_model, max_num_batched_tokens=40, max_num_seqs=4), reqs)
     truth = {rid: r.output_token_ids for rid, r in plain.items()}
-    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": lanes}, drafter=oracle(truth, 0.0, 500),
-                         max_num_batched_tokens=32, max_num_seqs=4)
+    steps: list = []
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": lanes, "prefill_first": prefill_first},
+                         drafter=oracle(truth, 0.0, 500), max_num_batched_tokens=40, max_num_seqs=4, on_step=steps.append)
     spec, budgets = engine.speculator, []
     launch = spec.launch
 
@@ -187,6 +192,8 @@ def test_no_verify_step_while_prefill_fills_the_budget(tiny_model, lanes):
     assert_same(plain, run(engine, reqs))
     assert budgets and all(b > 0 for b, _ in budgets), budgets
     assert any(w == 0 for _, w in budgets)  # verify steps ran once the prompts were in
+    mixed = sum(1 for s in steps if s.num_prefill_tokens and s.spec_verified)  # steps that prefilled and verified
+    assert mixed > 0 if not prefill_first else mixed == 0, (mixed, budgets)
 
 
 @LANES

@@ -8,6 +8,7 @@ terminates or a token cap. Every terminated answer must parse and validate.
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -120,7 +121,7 @@ def test_auto_random_walk_terminates_and_validates(compilers, name, schema):
     c = Constraint.json_schema(schema)
     comp = compilers["auto"]
     grammar = comp.compile(c)
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # not hash(): it changes from process to process
     for _ in range(6):
         text, ids = walk(comp, grammar, rng, cap=400)
         assert text is not None, f"{name}: bounded schema did not terminate: {comp.vocab.decode(ids)[:200]!r}"

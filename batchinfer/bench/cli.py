@@ -79,6 +79,10 @@ def throughput(
         None, "--spec-lanes/--no-spec-lanes",
         help="With --speculative: verify steps in two lanes taking turns, or serially (default: lanes on a GPU).",
     ),
+    spec_prefill_first: bool = typer.Option(
+        False, "--spec-prefill-first/--spec-drafts-first",
+        help="With --speculative: waiting prompts before drafts in a step's token budget (default: drafts first).",
+    ),
     plain_twin: bool = typer.Option(
         False, "--plain-twin/--no-plain-twin",
         help="With a constrained workload (docs1000-json): also time the same prompts unconstrained, each for as many tokens "
@@ -127,7 +131,8 @@ def throughput(
             raise ValueError("--plain-twin runs with one engine (no --data-parallel)")
         result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir,
                                 speculative=speculative, spec_tokens=spec_tokens, oracle_corrupt=oracle_corrupt,
-                                spec_gate=spec_gate, spec_lanes=spec_lanes, plain_twin=plain_twin)
+                                spec_gate=spec_gate, spec_lanes=spec_lanes, spec_prefill_first=spec_prefill_first,
+                                plain_twin=plain_twin)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -153,6 +153,7 @@ def run_throughput(
     spec_gate: bool = False,
     plain_twin: bool = False,
     spec_lanes: bool | None = None,
+    spec_prefill_first: bool = False,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
 
@@ -168,6 +169,7 @@ def run_throughput(
     then the measured run drafts that output with a share oracle_corrupt of draft tokens corrupted
     (bench/oracle.py). spec_gate: speculate only where it measures faster (engine.speculative.gate);
     spec_lanes: engine.speculative.lanes (None: the engine's default, lanes on a GPU).
+    spec_prefill_first: engine.speculative.prefill_first (waiting prompts before drafts in a step's budget).
     plain_twin: see measure_workload.
     """
     if data_parallel not in (None, 1):
@@ -181,7 +183,8 @@ def run_throughput(
         if speculative == "oracle":
             drafter = _record_oracle(cfg, workload, scale, shard, spec_tokens, oracle_corrupt)
         method = "ngram+grammar" if speculative == "oracle" else speculative
-        cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens, "gate": spec_gate, "lanes": spec_lanes})
+        cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens, "gate": spec_gate, "lanes": spec_lanes,
+                                          "prefill_first": spec_prefill_first})
     t_load = time.perf_counter()
     bench = BenchEngine(cfg, drafter)
     load_s = time.perf_counter() - t_load

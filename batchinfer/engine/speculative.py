@@ -29,12 +29,15 @@ emitted tokens are accepted afterwards, as plain decoding does.
 
 Scheduling: drafts sit at the end of token_ids (Sequence.num_draft) while the scheduler plans the
 step, so they count against the token budget and get KV blocks; the scheduler trims drafts it cannot
-fit, a preempted sequence drops them. The n-gram draft length adapts per sequence to its measured
+fit, a preempted sequence drops them. Drafts come before waiting prompts in the budget (the
+scheduler admits prompts into what is left), so a step that prefills verifies drafts too; with
+`prefill_first` waiting prompts come first instead. docs1000 (1,000 long prompts, a KV-bound
+batch) spends most of its run in steps that prefill; with prompts first they verified nothing. The n-gram draft length adapts per sequence to its measured
 acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are rarely right, probed
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
-While waiting prompts fill a step's token budget (no room for a draft: has_room) the engine runs
-its ordinary overlapped loop instead. Whether the other steps draft can be measured as well
+Where the running sequences leave no room for a draft (has_room; with prefill_first also while
+waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead. Whether the other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
 against plain steps; the better one runs, the other is probed now and then.
 Steps with drafts cannot look ahead as plain steps do (engine.py): with EngineConfig.overlap they
@@ -93,7 +96,10 @@ class SpeculativeConfig:
     a higher output rate than plain steps (engine/spec_gate.py); off (the default: on an H200 it
     changed little either way, BENCHMARKS.md): every step with room for drafts drafts; lanes: run
     verify steps in two lanes of sequences taking turns (engine/lanes.py); None: on a GPU with
-    EngineConfig.overlap (on the CPU the model runs on the host, so no host work would hide)."""
+    EngineConfig.overlap (on the CPU the model runs on the host, so no host work would hide);
+    prefill_first: waiting prompts' tokens come before drafts in a step's budget (no drafts while
+    prompts wait to fill it); off (the default): the decoding sequences' drafts come first and the
+    prompts take the rest of the budget, so the steps that prefill verify drafts as well."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 
@@ -106,6 +112,7 @@ class SpeculativeConfig:
     probe_interval: int = 8
     gate: bool = False
     lanes: bool | None = None
+    prefill_first: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -241,13 +248,14 @@ class Speculator:
 
     def _draft_budget(self, engine: Any, lane: int | None = None) -> int:
         """Draft tokens this step (of one lane, or of every running sequence) may verify:
-        max_step_tokens minus what the step computes anyway."""
+        max_step_tokens minus what the step computes anyway (its running sequences' tokens, and with
+        prefill_first the waiting prompts' up to the token budget)."""
         sched = engine.scheduler
         most = sched.config.max_num_batched_tokens
         base = 0  # decodes + prefill tokens of the step without drafts (up to `most`)
         for s in engine.scheduler.running_in(lane):
             base += len(s.token_ids) - s.num_computed_tokens - s.num_draft  # (drafts: a lane's step in flight)
-        if len(sched.running) < sched.config.max_num_seqs:
+        if self.config.prefill_first and len(sched.running) < sched.config.max_num_seqs:
             for s in sched.waiting:
                 if base >= most:
                     break

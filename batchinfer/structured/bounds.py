@@ -12,7 +12,11 @@ bounds natively:
   exponent, so float64 holds it; intersected with the schema's bounds;
 * values the schema leaves free ({} / true, extra properties, array items without a schema) are a
   bounded "any JSON" with the same numbers;
-* with max_string_length, every string without a maxLength (or with a larger one) gets that one.
+* with max_string_length, every string without a maxLength (or with a larger one) gets that one;
+* a string of format "date" (and no pattern of its own) gets DATE_PATTERN instead: the libraries'
+  date grammars allow February 29 in every year (a random walk wrote "3487-02-29", which the
+  validator rightly rejects), the pattern only in leap years, and only the years 0001-9999 that
+  the validator's dates have.
 
 xgrammar and llguidance get the rewritten schema (ranges are how both bound digits; llguidance also
 needs multipleOf for the fraction digits); outlines-core ignores ranges, so its regex gets bounded
@@ -35,7 +39,13 @@ NUM_INT_LIMIT = 10**17 - 1
 DEC_LIMIT = 10**11
 FRACTION_DIGITS = 6
 ANY = "__batchinfer_bounded_any"
-BOUNDS_VERSION = "bounds-2"  # part of the grammar disk cache key: change it when the rewrite changes
+BOUNDS_VERSION = "bounds-3"
+# RFC 3339 full-date with the Gregorian calendar's month lengths and leap years (capturing groups only:
+# every backend's regex dialect has them)
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_MONTH_DAY = "((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)"
+DATE_PATTERN = f"^({_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)$"  # part of the grammar disk cache key: change it when the rewrite changes
 
 # outlines-core's regex pieces (outlines_core.json_schema.INTEGER / NUMBER) and bounded replacements
 OUTLINES_INTEGER = r"(-)?(0|[1-9][0-9]*)"
@@ -137,6 +147,8 @@ class _Rewriter:
         return {**keep, "anyOf": bands} if len(bands) > 1 else {**keep, **bands[0]}
 
     def string(self, node: dict[str, Any]) -> dict[str, Any]:
+        if node.get("format") == "date" and "pattern" not in node:
+            node = {**{k: v for k, v in node.items() if k != "format"}, "pattern": DATE_PATTERN}
         n = self.max_string_length
         if n is None or "enum" in node or "const" in node:
             return node

@@ -221,6 +221,9 @@ class VerifyStep:
     plans: dict[int, _Plan]
     counts: SpecCounts
     tokens: SampledTokens | None = None
+    # CUDA timing events (end of the step launched before, start, end of forward, start of sampling),
+    # for the device's idle gaps around this step (None on the CPU or without sampling rows)
+    marks: tuple[Any, Any, Any, Any] | None = None
 
 
 class Speculator:
@@ -382,10 +385,16 @@ class Speculator:
         widths = np.fromiter((1 + s.num_draft for s in sampling), dtype=np.int64, count=len(sampling))
         batch = engine.runner.prepare(step.seqs, step.num_tokens, step.samples, sample_widths=widths)
         engine._phase("prepare")
+        before, start = engine._last_end, engine.runner.mark()
         logits = engine._device_call(engine.runner.forward, batch)
+        forward_end = engine.runner.mark()
         engine._phase("launch")
-        tokens = self._sample(engine, logits, sampling, widths, plans)
-        return VerifyStep(step, sampling, widths, plans, counts, tokens)
+        tokens, sample_start = self._sample(engine, logits, sampling, widths, plans)
+        marks = None
+        if tokens is not None and start is not None:
+            marks = (before, start, forward_end, sample_start)
+            engine._last_end = tokens.event  # the stream's last step now: the next step's gap starts here
+        return VerifyStep(step, sampling, widths, plans, counts, tokens, marks)
 
     def finish(self, engine: Any, verify: VerifyStep) -> list[Result]:
         """Wait for a launched step's tokens, accept each draft's matching prefix, append the emitted
@@ -396,28 +405,32 @@ class Speculator:
             tokens = verify.tokens.tolist()
             engine._wait_s += time.perf_counter() - t
             engine._phase("read_tokens")
+            if verify.marks is not None:  # the device's idle gaps around this step, as for a plain step
+                engine._idle_ms = engine._idle_gaps_ms(verify.marks)
             results = self._emit(engine, verify.step, verify.sampling, verify.widths, tokens,
                                  verify.tokens.logprobs, verify.counts, verify.plans)
             engine._phase("post")
         return results
 
     def _sample(self, engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray,
-                plans: dict[int, _Plan]) -> SampledTokens | None:
+                plans: dict[int, _Plan]) -> tuple[SampledTokens | None, Any]:
         """Launch the draw of every sampling row (sequence i's widths[i] positions) as plain decoding
         would draw each position: its counter, its min_tokens bans, its grammar mask; the tokens (and
-        the logprobs where asked) are copied to the host without waiting (None: no row samples)."""
+        the logprobs where asked) are copied to the host without waiting (None: no row samples).
+        Also the timing event recorded where the draw starts (None on the CPU)."""
         first = generated_before(sampling)
         steps = row_steps(first, widths)
         bans = row_bans(sampling, widths, first, engine._bans_at)
         bitmask = self._bitmask(sampling, widths, plans)
         engine._phase("grammar_mask")
         if not sampling:
-            return None
+            return None, None
+        sample_start = engine.runner.mark()
         tokens_dev = engine._device_call(engine.runner.sample_tokens, logits, sampling, bans, bitmask, steps, widths)
         logprobs = self._logprobs(engine, logits, sampling, widths, tokens_dev)
         tokens = SampledTokens(tokens_dev, logprobs)
         engine._phase("sample_launch")
-        return tokens
+        return tokens, sample_start
 
     @staticmethod
     def _emit(engine: Any, step: Any, sampling: list[Sequence], widths: np.ndarray, tokens: list[int], logprobs: Any,

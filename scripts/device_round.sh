@@ -19,14 +19,14 @@ run() {  # name need_s bench-args...
   [ "$rc" = 0 ] || { echo "--- $name exited $rc:"; tail -n 8 "$OUT/$name.log"; }
 }
 if [ "${ROUND:-1}" = 1 ]; then
-  # drafts before waiting prompts in a step's budget (the default) against prompts first
-  run docs1000-oracle10-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
+  # issue 15 at the target's condition: docs1000's oracle acceptance is 0.49-0.58 at 10% corruption (bf16 runs
+  # diverge from the recording run over long contexts), so measure it uncorrupted and at 5% for the 70% point
+  run docs1000-oracle00-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --spec-tokens 6
   run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
-  run docs1000-oracle10-k6-prefill-first 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6 --spec-prefill-first
-  run nano256-oracle10-k6 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
-  run nano256-plain 30 --workload nano256 --model qwen3-0.6b
+  run docs1000-oracle05-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6
   run docs1000-json-spec-grammar 70 --workload docs1000-json --model qwen3-0.6b --speculative grammar
   run docs1000-json 45 --workload docs1000-json --model qwen3-0.6b
+  run nano256-oracle10-k6 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
 else  # round 2: the whole job (issue 21), grammar drafts and the 8B grammar twin
   LIMIT=200 bash scripts/gpu_job_ab.sh qwen3-0.6b:2000:new qwen2.5-7b:1000:new
   run docs1000-json-spec-grammar 80 --workload docs1000-json --model qwen3-0.6b --speculative grammar

@@ -125,6 +125,29 @@ def test_oracle_speculation_reports_acceptance(tiny_model, tmp_path, lanes):
     assert "oracle drafts" in format_report(r)
 
 
+def test_oracle_drafts_nothing_once_a_sequence_leaves_the_recording():
+    """A measured run's output can differ from the recorded one (bf16 numerics of another batch): while a
+    sequence's latest tokens differ from the recording, the oracle drafts nothing for it (it knows
+    nothing of it), and it goes on drafting the recording for the others."""
+    from types import SimpleNamespace
+
+    from batchinfer.bench.oracle import oracle_drafter
+
+    truth = {"a": [10, 11, 12, 13, 14, 15, 16], "b": [20, 21, 22, 23, 24]}
+    draft = oracle_drafter(truth, 0.0, 100)
+
+    def seq(rid, output):
+        return SimpleNamespace(request=SimpleNamespace(request_id=rid), token_ids=[1, 2, *output], num_prompt_tokens=2,
+                               num_generated=len(output))
+
+    assert draft(seq("a", [10]), 3) == [11, 12, 13]
+    assert draft(seq("b", [20, 21]), 2) == [22, 23]
+    assert draft(seq("a", [10, 11, 99]), 3) == []  # left the recording at its third token
+    assert draft(seq("a", [10, 11, 99, 13]), 3) == []  # and stays off while its latest tokens differ
+    assert draft(seq("b", [20, 21, 22]), 5) == [23, 24]
+    assert draft(seq("a", [10, 11, 12]), 2) == [13, 14]  # the same request run again (the bench's warm-up, then its run)
+
+
 def test_plain_twin_runs_the_constrained_lengths_without_constraints(tiny_model, tmp_path):
     """--plain-twin: the same prompts unconstrained, each for exactly the tokens its constrained
     answer took; reported next to the constrained run (its share of the twin's output tok/s)."""

@@ -6,8 +6,9 @@ replaced by a different random token (`corrupt`), to emulate a given acceptance.
 the cost and gain of verification, not the quality of a draft source.
 
 A measured run can leave the recorded output: in bf16 a step's numerics depend on its batch, and a
-random model's near-tied logits then pick another token (docs1000's 200-token answers over long
-contexts: 0.49 acceptance at 10% corruption where 0.59 is expected). From there the recording knows
+random model's near-tied logits can then pick another token (the suspected reason docs1000 read
+0.49-0.58 acceptance at 10% corruption, where 6-token drafts give ~0.59, BENCHMARKS.md nineteenth
+session; not yet measured with this check). From there the recording knows
 nothing of the sequence, so the oracle drafts nothing for it while its latest ALIGN_TOKENS output
 tokens differ from the recording's, instead of a wrong draft at every step: the drafts it does make
 stay right but for the corrupted share.

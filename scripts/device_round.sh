@@ -27,6 +27,9 @@ if [ "${ROUND:-1}" = 1 ]; then
   run docs1000-json-spec-grammar 70 --workload docs1000-json --model qwen3-0.6b --speculative grammar
   run docs1000-json 45 --workload docs1000-json --model qwen3-0.6b
   run nano256-oracle10-k6 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
+  # drafts first on a compute-bound shape (measured on qwen3-0.6b only)
+  run docs1000-8b-oracle05-k4 150 --workload docs1000 --model llama-3.1-8b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 4
+  run docs1000-8b-oracle05-k4-prefill-first 150 --workload docs1000 --model llama-3.1-8b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 4 --spec-prefill-first
 else  # round 2: the whole job (issue 21), grammar drafts and the 8B grammar twin
   LIMIT=200 bash scripts/gpu_job_ab.sh qwen3-0.6b:2000:new qwen2.5-7b:1000:new
   run docs1000-json-spec-grammar 80 --workload docs1000-json --model qwen3-0.6b --speculative grammar

@@ -1,6 +1,7 @@
 # One device call of this round (issues 15, 21 and the KV sizing fix). ROUND=1 (default): the GPU suite, then
-# speculation benches (drafts before prompts in the budget); ROUND=2: the whole job (gpu_job_ab.sh), grammar drafts, the 8B grammar twin. Benches run in
-# order of priority, each only while the call's time allows (BUDGET seconds from the start, default 540).
+# speculation benches (drafts before prompts in the budget); ROUND=2: the whole job (gpu_job_ab.sh), grammar drafts,
+# the 8B grammar twin. Benches run in order of priority, each only while the call's time allows (BUDGET seconds from
+# the start, default 540).
 source scripts/device_setup.sh >/dev/null
 t0=$SECONDS; left() { echo $(( ${BUDGET:-540} - (SECONDS - t0) )); }
 if [ "${ROUND:-1}" = 1 ]; then

@@ -32,12 +32,14 @@ step, so they count against the token budget and get KV blocks; the scheduler tr
 fit, a preempted sequence drops them. Drafts come before waiting prompts in the budget (the
 scheduler admits prompts into what is left), so a step that prefills verifies drafts too; with
 `prefill_first` waiting prompts come first instead. docs1000 (1,000 long prompts, a KV-bound
-batch) spends most of its run in steps that prefill; with prompts first they verified nothing. The n-gram draft length adapts per sequence to its measured
+batch) spends most of its run in steps that prefill; with prompts first most of them verified no
+draft (BENCHMARKS.md, nineteenth session). The n-gram draft length adapts per sequence to its measured
 acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are rarely right, probed
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
 Where the running sequences leave no room for a draft (has_room; with prefill_first also while
-waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead. Whether the other steps draft can be measured as well
+waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead. Whether the
+other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
 against plain steps; the better one runs, the other is probed now and then.
 Steps with drafts cannot look ahead as plain steps do (engine.py): with EngineConfig.overlap they

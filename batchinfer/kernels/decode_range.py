@@ -10,8 +10,8 @@ conversion, the query converted once: 0.92x on an H100); BENCHMARKS.md, seventh 
 sessions. So did widening the tiles by inline PTX where they are loaded (0.93-0.99x on an H100,
 eighteenth session): the cast here leaves the V tile read from shared memory a byte per
 instruction (scripts/kernel_sass.py), but removing those reads does not move the FP8 cache's
-decode off ~70% of the copy bandwidth. Returns (m, l, acc): the running max, the sum of exp2(score - m) and the unnormalised
-output, for the caller to normalise or to merge.
+decode off ~70% of the copy bandwidth. Returns (m, l, acc): the running max, the sum of
+exp2(score - m) and the unnormalised output, for the caller to normalise or to merge.
 """
 
 from __future__ import annotations

@@ -39,13 +39,13 @@ NUM_INT_LIMIT = 10**17 - 1
 DEC_LIMIT = 10**11
 FRACTION_DIGITS = 6
 ANY = "__batchinfer_bounded_any"
-BOUNDS_VERSION = "bounds-3"
+BOUNDS_VERSION = "bounds-3"  # part of the grammar disk cache key: change it when the rewrite changes
 # RFC 3339 full-date with the Gregorian calendar's month lengths and leap years (capturing groups only:
 # every backend's regex dialect has them)
 _YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _MONTH_DAY = "((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
 _LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)"
-DATE_PATTERN = f"^({_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)$"  # part of the grammar disk cache key: change it when the rewrite changes
+DATE_PATTERN = f"^({_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)$"
 
 # outlines-core's regex pieces (outlines_core.json_schema.INTEGER / NUMBER) and bounded replacements
 OUTLINES_INTEGER = r"(-)?(0|[1-9][0-9]*)"

@@ -24,9 +24,11 @@ if [ "${ROUND:-1}" = 1 ]; then
   # diverge from the recording run over long contexts), so measure it at 5% (the 70% point) and uncorrupted
   run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
   run docs1000-oracle05-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6
-  run docs1000-oracle00-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --spec-tokens 6
+  # lane steps carry prefill (the new default) against draining the lanes for plain steps
+  run docs1000-oracle05-k6-drain 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6 --spec-lanes-drain
   run docs1000-json-spec-grammar 70 --workload docs1000-json --model qwen3-0.6b --speculative grammar
   run docs1000-json 45 --workload docs1000-json --model qwen3-0.6b
+  run docs1000-oracle00-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --spec-tokens 6
 elif [ "$ROUND" = 3 ]; then  # speculation by batch size, then drafts first on a compute-bound shape
   sweep() {  # name need_s args...
     local name=$1 need=$2; shift 2

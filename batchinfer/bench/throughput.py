@@ -154,6 +154,7 @@ def run_throughput(
     plain_twin: bool = False,
     spec_lanes: bool | None = None,
     spec_prefill_first: bool = False,
+    spec_lanes_drain: bool = False,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
 
@@ -170,6 +171,7 @@ def run_throughput(
     (bench/oracle.py). spec_gate: speculate only where it measures faster (engine.speculative.gate);
     spec_lanes: engine.speculative.lanes (None: the engine's default, lanes on a GPU).
     spec_prefill_first: engine.speculative.prefill_first (waiting prompts before drafts in a step's budget).
+    spec_lanes_drain: engine.speculative.lanes_drain (lanes drained for plain steps while prefill leaves no room).
     plain_twin: see measure_workload.
     """
     if data_parallel not in (None, 1):
@@ -184,7 +186,7 @@ def run_throughput(
             drafter = _record_oracle(cfg, workload, scale, shard, spec_tokens, oracle_corrupt)
         method = "ngram+grammar" if speculative == "oracle" else speculative
         cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens, "gate": spec_gate, "lanes": spec_lanes,
-                                          "prefill_first": spec_prefill_first})
+                                          "prefill_first": spec_prefill_first, "lanes_drain": spec_lanes_drain})
     t_load = time.perf_counter()
     bench = BenchEngine(cfg, drafter)
     load_s = time.perf_counter() - t_load

@@ -339,10 +339,11 @@ class Engine:
         if spec is None:
             return self._plain_step()
         gate = spec.gate
-        # a step whose token budget prefill fills has no room for drafts: with them it would only be
-        # a plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md)
+        # a step whose token budget prefill fills has no room for drafts: serially it would only be a
+        # plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md); lanes in flight
+        # carry it as a lane step without drafts instead of draining (SpeculativeConfig.lanes_drain)
         lanes = self._lanes
-        if not spec.has_room(self):
+        if not spec.has_room(self) and (lanes is None or spec.config.lanes_drain or not lanes.busy):
             if gate is not None:
                 gate.passed()
             return (lanes.drain(self) if lanes is not None else []) + self._plain_step()

@@ -38,7 +38,9 @@ acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are ra
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
 Where the running sequences leave no room for a draft (has_room; with prefill_first also while
-waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead. Whether the
+waiting prompts fill the budget) a serial engine runs its ordinary overlapped loop instead; with lanes
+the lane steps carry that prefill without drafts (switching to the plain loop and back drained both
+lanes each time: 153 times in a docs1000 run, BENCHMARKS.md twentieth session; `lanes_drain` keeps it). Whether the
 other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
 against plain steps; the better one runs, the other is probed now and then.
@@ -101,7 +103,10 @@ class SpeculativeConfig:
     EngineConfig.overlap (on the CPU the model runs on the host, so no host work would hide);
     prefill_first: waiting prompts' tokens come before drafts in a step's budget (no drafts while
     prompts wait to fill it); off (the default): the decoding sequences' drafts come first and the
-    prompts take the rest of the budget, so the steps that prefill verify drafts as well."""
+    prompts take the rest of the budget, so the steps that prefill verify drafts as well;
+    lanes_drain: with lanes, a step whose running sequences' prefill leaves no room for drafts drains
+    both lanes and runs the plain overlapped loop (every switch in and out leaves the device idle
+    for a step's host work); off (the default): lane steps carry that prefill, without drafts."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 
@@ -115,6 +120,7 @@ class SpeculativeConfig:
     gate: bool = False
     lanes: bool | None = None
     prefill_first: bool = False
+    lanes_drain: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -412,6 +418,8 @@ class Speculator:
             results = self._emit(engine, verify.step, verify.sampling, verify.widths, tokens,
                                  verify.tokens.logprobs, verify.counts, verify.plans)
             engine._phase("post")
+        elif verify.step.seqs:  # prefill chunks only (no prompt ends in this step): nothing to read
+            engine.scheduler.complete_step(verify.step)
         return results
 
     def _sample(self, engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray,

@@ -19,7 +19,17 @@ run() {  # name need_s bench-args...
     | grep -E "^elapsed|decode-only|^speculative|oracle drafts|decode 193|decode 97|prefill/mixed|reads only|plain twin|constrained again"
   [ "$rc" = 0 ] || { echo "--- $name exited $rc:"; tail -n 8 "$OUT/$name.log"; }
 }
+probe() {  # name need_s script args...: a probe script, its output kept
+  local name=$1 need=$2; shift 2
+  [ "$(left)" -ge "$need" ] || { echo "=== $name skipped ($(left) s left)"; return; }
+  echo "=== $name"
+  timeout "$(left)" python3 "$@" > "$OUT/$name.log" 2>&1 || { echo "--- $name failed:"; tail -n 8 "$OUT/$name.log"; }
+  grep -v -i -E "warn|regex pattern" "$OUT/$name.log" | tail -n 8
+}
 if [ "${ROUND:-1}" = 1 ]; then
+  # issue 17: can a mixed step's decode rows and prefill chunk share the GPU on two streams?
+  probe split-0.6b 60 scripts/split_step_probe.py --model qwen3-0.6b
+  probe split-8b 90 scripts/split_step_probe.py --model llama-3.1-8b --decode-rows 192
   # issue 15 at the target's condition: docs1000's oracle acceptance is 0.49-0.58 at 10% corruption (bf16 runs
   # diverge from the recording run over long contexts), so measure it at 5% (the 70% point) and uncorrupted
   run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b

@@ -27,18 +27,17 @@ probe() {  # name need_s script args...: a probe script, its output kept
   grep -v -i -E "warn|regex pattern" "$OUT/$name.log" | tail -n 8
 }
 if [ "${ROUND:-1}" = 1 ]; then
-  # issue 17: can a mixed step's decode rows and prefill chunk share the GPU on two streams?
-  probe split-0.6b 60 scripts/split_step_probe.py --model qwen3-0.6b
-  probe split-8b 90 scripts/split_step_probe.py --model llama-3.1-8b --decode-rows 192
-  # issue 15 at the target's condition: docs1000's oracle acceptance is 0.49-0.58 at 10% corruption (bf16 runs
-  # diverge from the recording run over long contexts), so measure it at 5% (the 70% point) and uncorrupted
+  # issue 17: a mixed step's decode rows on a second stream beside its prefill (engine.mixed_streams)
   run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
+  run docs1000-mixed-streams 45 --workload docs1000 --model qwen3-0.6b --set mixed_streams=true
+  # issue 15 at the 70% point: lane steps carry prefill (the new default) against draining the lanes
   run docs1000-oracle05-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6
-  # lane steps carry prefill (the new default) against draining the lanes for plain steps
   run docs1000-oracle05-k6-drain 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6 --spec-lanes-drain
+  probe split-0.6b 60 scripts/split_step_probe.py --model qwen3-0.6b
+  run docs1000-8b-plain 100 --workload docs1000 --model llama-3.1-8b
+  run docs1000-8b-mixed-streams 100 --workload docs1000 --model llama-3.1-8b --set mixed_streams=true
   run docs1000-json-spec-grammar 70 --workload docs1000-json --model qwen3-0.6b --speculative grammar
   run docs1000-json 45 --workload docs1000-json --model qwen3-0.6b
-  run docs1000-oracle00-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --spec-tokens 6
 elif [ "$ROUND" = 3 ]; then  # speculation by batch size, then drafts first on a compute-bound shape
   sweep() {  # name need_s args...
     local name=$1 need=$2; shift 2

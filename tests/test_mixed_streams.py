@@ -53,7 +53,7 @@ def _engine(path, mixed_streams: bool, steps: list) -> Engine:
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
 def test_split_steps_give_the_packed_steps_tokens(tiny_model, temperature):
     rng = random.Random(7)
-    reqs = [Request(f"r{i}", [rng.randrange(5, 400) for _ in range(rng.randint(10, 130))],
+    reqs = [Request(f"r{i}", [rng.randrange(5, 400) for _ in range(rng.randint(10, 70))],
                     SamplingParams(max_tokens=rng.randint(3, 12), temperature=temperature, seed=i, ignore_eos=True))
             for i in range(14)]
     out = {}

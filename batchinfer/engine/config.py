@@ -58,10 +58,6 @@ class EngineConfig:
         attention backend with tile maps, i.e. triton); 0: those steps run eagerly.
     overlap: build step N+1 on the host while the device runs step N (one-step lookahead; see
         engine/engine.py); False runs the old serial loop (schedule, run, read tokens, repeat).
-    mixed_streams: on a GPU, run a step that both decodes and prefills as two batches side by side:
-        its decode rows (memory-bound: the KV stream; a decode CUDA graph) on a second stream beside
-        its prefill chunks (compute-bound GEMMs) on the main one (engine/model_runner.py SplitBatch).
-        Same tokens either way; off by default until measured faster.
     grammar_backend: auto | xgrammar | llguidance | outlines.
     grammar_threads: threads that fill grammar masks (None: all CPUs but one on hosts with more than
         4 for llguidance, xgrammar's own default for xgrammar).
@@ -120,7 +116,6 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = 8192
     overlap: bool = True
-    mixed_streams: bool = False
     grammar_backend: str = "auto"
     grammar_threads: int | None = None
     grammar_share_masks: bool = True

@@ -102,37 +102,6 @@ class StepBatch:
     gather_src: torch.Tensor | None = None  # ... and the rows of its sampled tokens that hold them
 
 
-@dataclass
-class SplitBatch:
-    """A step that decodes and prefills, packed as two batches the GPU runs side by side
-    (EngineConfig.mixed_streams): its decode rows as a decode batch on a second stream (the KV
-    stream, memory-bound) beside its prefill chunks on the main stream (compute-bound).
-    order[r]: the row of cat(decode logits, prefill logits) that holds the step's sampling row r."""
-
-    decode: StepBatch
-    prefill: StepBatch
-    order: torch.Tensor
-
-
-def split_rows(seqs: Seq[Sequence], starts: Seq[int], num_tokens: Seq[int], samples: Seq[bool]):
-    """(decode chunk indices, prefill chunk indices, order) of a step, or None unless it has both:
-    a decode row computes one token, its sequence's last, and samples; every other chunk prefills.
-    order: see SplitBatch."""
-    decode = [i for i, (s, c, n, f) in enumerate(zip(seqs, starts, num_tokens, samples)) if f and n == 1 and c + 1 == s.num_tokens]
-    if not decode or len(decode) == len(seqs):
-        return None
-    is_decode = np.zeros(len(seqs), dtype=bool)
-    is_decode[decode] = True
-    prefill = np.flatnonzero(~is_decode).tolist()
-    flags = np.asarray(samples, dtype=bool)
-    sampling_decode = is_decode[flags]  # per sampling row of the step, in order: a decode row?
-    order = np.empty(len(sampling_decode), dtype=np.int64)
-    n_decode = int(sampling_decode.sum())
-    order[sampling_decode] = np.arange(n_decode)
-    order[~sampling_decode] = n_decode + np.arange(len(sampling_decode) - n_decode)
-    return decode, prefill, order
-
-
 class ModelRunner:
     """Loads the model, sizes and allocates the paged KV cache, executes steps."""
 
@@ -180,7 +149,6 @@ class ModelRunner:
             t = self._span("kv_calibration", t)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self._side_stream: torch.cuda.Stream | None = None  # mixed_streams: a split step's decode batch
         if self._graphs_usable():
             buffers = self.attention.graph_buffers(
                 config.max_num_seqs, config.max_num_seqs, self.max_blocks_per_seq, True, self.device
@@ -398,9 +366,8 @@ class ModelRunner:
         pending: torch.Tensor | None = None,
         sample_widths: Seq[int] | None = None,
         defer_gather: bool = False,
-    ) -> StepBatch | SplitBatch:
-        """Pack the scheduled chunks: seqs[i] computes num_tokens[i] tokens from its num_computed
-        (with EngineConfig.mixed_streams a step that decodes and prefills: a SplitBatch).
+    ) -> StepBatch:
+        """Pack the scheduled chunks: seqs[i] computes num_tokens[i] tokens from its num_computed.
 
         pending: the sampled tokens (on the device) of the step still in flight. A sequence with a
         `pending_row` ends with a placeholder token; when its chunk reaches that last token, the
@@ -411,14 +378,6 @@ class ModelRunner:
         1 + drafts tokens); default one, the chunk's last token.
         """
         starts = [s.num_computed_tokens for s in seqs]
-        if self.config.mixed_streams and sample_widths is None:
-            split = split_rows(seqs, starts, num_tokens, samples)
-            if split is not None:
-                def part(idx: list[int]) -> StepBatch:
-                    return self.prepare([seqs[i] for i in idx], [num_tokens[i] for i in idx], [samples[i] for i in idx],
-                                        pending, None, defer_gather)
-
-                return SplitBatch(part(split[0]), part(split[1]), self._to_device(split[2]))
         ids = [s.token_ids[c : c + n] for s, c, n in zip(seqs, starts, num_tokens)]
         gather = None
         rows = [
@@ -433,13 +392,9 @@ class ModelRunner:
             self.gather_pending(batch, pending)
         return batch
 
-    def gather_pending(self, batch: StepBatch | SplitBatch, pending: torch.Tensor | None) -> None:
+    def gather_pending(self, batch: StepBatch, pending: torch.Tensor | None) -> None:
         """Write the input ids that wait on the in-flight step (prepare's gather) from its sampled
         tokens `pending`, on the device; nothing to do when no row waits."""
-        if isinstance(batch, SplitBatch):
-            self.gather_pending(batch.decode, pending)
-            self.gather_pending(batch.prefill, pending)
-            return
         if batch.gather_dst is None:
             return
         if pending is None:
@@ -505,10 +460,8 @@ class ModelRunner:
         g = self.verify_graphs
         return g is not None and g.fits(batch.input_ids.shape[0], batch.meta, batch.sample_index.shape[0])
 
-    def uses_graph(self, batch: StepBatch | SplitBatch) -> bool:
+    def uses_graph(self, batch: StepBatch) -> bool:
         """Whether forward(batch) replays a CUDA graph (a short launch) instead of running eagerly."""
-        if isinstance(batch, SplitBatch):
-            return self.uses_graph(batch.decode) and self.uses_graph(batch.prefill)
         return self._uses_decode_graph(batch) or self._uses_mixed_graph(batch) or self._uses_verify_graph(batch)
 
     @torch.inference_mode()
@@ -517,10 +470,7 @@ class ModelRunner:
 
         On a GPU this only launches work, so the caller can fill grammar bitmasks meanwhile. A graph
         step returns the graph's output buffer: sample from it before the next forward.
-        A SplitBatch runs its decode batch on a second stream beside its prefill batch (_forward_split).
         """
-        if isinstance(batch, SplitBatch):
-            return self._forward_split(batch)
         if self._uses_decode_graph(batch):
             return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         if self._uses_mixed_graph(batch):
@@ -529,25 +479,6 @@ class ModelRunner:
             return self.verify_graphs.run(batch.input_ids, batch.positions, batch.meta, batch.sample_index)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         return self.model.compute_logits(hidden.index_select(0, batch.sample_index))
-
-    def _forward_split(self, batch: SplitBatch) -> torch.Tensor:
-        """The prefill batch on the current stream, the decode batch on the side stream (waiting
-        only for the work queued before this step: the inputs both were packed and gathered with),
-        joined; the logits back in the step's row order. The prefill batch is launched first, so a
-        graph size it meets for the first time is captured before the side stream has work."""
-        if self.device.type != "cuda":
-            decode, prefill = self.forward(batch.decode), self.forward(batch.prefill)
-        else:
-            main = torch.cuda.current_stream(self.device)
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(self.device)
-            side = self._side_stream
-            side.wait_stream(main)
-            prefill = self.forward(batch.prefill)
-            with torch.cuda.stream(side):
-                decode = self.forward(batch.decode)
-            main.wait_stream(side)
-        return torch.cat([decode, prefill]).index_select(0, batch.order)
 
     @torch.inference_mode()
     def sample_tokens(

@@ -199,10 +199,11 @@ def test_verify_steps_while_prompts_wait(tiny_model, lanes, prefill_first):
 @pytest.mark.parametrize("mode", ["serial", "lanes-drain", "lanes-carry"])
 def test_prefill_beside_verify_steps(tiny_model, mode):
     """Prompts longer than the token budget, admitted beside decoding sequences: some steps hold only
-    prefill chunks and sample nothing (a verify step of those once never completed, so the same chunk
-    ran forever). With lanes such steps used to drain both lanes and run plain overlapped steps, then
-    switch back (lanes_drain=True keeps that); by default the lane steps carry that prefill without
-    drafts and the engine runs no plain step. The tokens are the plain engine's in every mode."""
+    prefill chunks and sample nothing. A verify step of those once never completed, so the same chunk
+    ran forever (lane steps carrying prefill: a lane's draft budget counts its own sequences only, so
+    such a step can be a verify step). Where prefill leaves no room for drafts a serial engine
+    and lanes_drain (the default) run plain overlapped steps; lanes_drain off carries that prefill in
+    lane steps without drafts and runs no plain step. The tokens are the plain engine's in every mode."""
     rng = random.Random(5)
     reqs = [Request(f"r{i}", rand_prompt(rng, 60 + 7 * i), SamplingParams(max_tokens=6 + 3 * (i % 5), temperature=0.0,
                                                                        ignore_eos=True))
@@ -215,7 +216,7 @@ def test_prefill_beside_verify_steps(tiny_model, mode):
         steps.append(stats)
         assert len(steps) < 500, "the engine stopped making progress (a prefill chunk repeated)"
 
-    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": mode != "serial",
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": mode.startswith("lanes"),
                                       "lanes_drain": mode == "lanes-drain", "max_step_tokens": 40},
                          drafter=oracle(truth, 0.0, 500), max_num_batched_tokens=48, max_num_seqs=4, on_step=on_step)
     plain_steps, no_room = [], []

@@ -84,9 +84,9 @@ def throughput(
         help="With --speculative: waiting prompts before drafts in a step's token budget (default: drafts first).",
     ),
     spec_lanes_drain: bool = typer.Option(
-        False, "--spec-lanes-drain/--spec-lanes-carry-prefill",
+        True, "--spec-lanes-drain/--spec-lanes-carry-prefill",
         help="With --speculative and lanes: drain both lanes for plain steps while prefill leaves no room for drafts "
-             "(default: lane steps carry that prefill without drafts).",
+             "(the default), or let lane steps carry that prefill without drafts.",
     ),
     plain_twin: bool = typer.Option(
         False, "--plain-twin/--no-plain-twin",

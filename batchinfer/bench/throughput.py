@@ -154,7 +154,7 @@ def run_throughput(
     plain_twin: bool = False,
     spec_lanes: bool | None = None,
     spec_prefill_first: bool = False,
-    spec_lanes_drain: bool = False,
+    spec_lanes_drain: bool = True,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
 

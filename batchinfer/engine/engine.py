@@ -340,8 +340,8 @@ class Engine:
             return self._plain_step()
         gate = spec.gate
         # a step whose token budget prefill fills has no room for drafts: serially it would only be a
-        # plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md); lanes in flight
-        # carry it as a lane step without drafts instead of draining (SpeculativeConfig.lanes_drain)
+        # plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md); with
+        # SpeculativeConfig.lanes_drain off, lanes in flight carry it as a lane step without drafts
         lanes = self._lanes
         if not spec.has_room(self) and (lanes is None or spec.config.lanes_drain or not lanes.busy):
             if gate is not None:

@@ -10,9 +10,9 @@ runs the other lane's step, launched an iteration earlier. Each step holds about
 so the weights are read twice per round; what the host does per sequence is the same.
 
 Outputs are those of the serial steps (a sequence's draws depend on its own tokens and counter, never
-on which sequences share its step). A lane step whose prefill leaves no room for drafts runs
-without drafts (with SpeculativeConfig.lanes_drain the engine drains both lanes and runs plain steps
-instead); before a plain step (the gate choosing one) the engine drains both lanes.
+on which sequences share its step). Before a step that is not a verify step (prefill filling the
+budget, or the gate choosing a plain step) the engine drains both lanes; with
+SpeculativeConfig.lanes_drain off, lane steps carry such prefill without drafts instead.
 """
 
 from __future__ import annotations

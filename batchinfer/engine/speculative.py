@@ -38,9 +38,9 @@ acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are ra
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
 Where the running sequences leave no room for a draft (has_room; with prefill_first also while
-waiting prompts fill the budget) a serial engine runs its ordinary overlapped loop instead; with lanes
-the lane steps carry that prefill without drafts (switching to the plain loop and back drained both
-lanes each time: 153 times in a docs1000 run, BENCHMARKS.md twentieth session; `lanes_drain` keeps it). Whether the
+waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead, after draining
+the lanes (`lanes_drain`; lane steps carrying that prefill without drafts measured slower, BENCHMARKS.md
+twentieth session). Whether the
 other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
 against plain steps; the better one runs, the other is probed now and then.
@@ -105,8 +105,10 @@ class SpeculativeConfig:
     prompts wait to fill it); off (the default): the decoding sequences' drafts come first and the
     prompts take the rest of the budget, so the steps that prefill verify drafts as well;
     lanes_drain: with lanes, a step whose running sequences' prefill leaves no room for drafts drains
-    both lanes and runs the plain overlapped loop (every switch in and out leaves the device idle
-    for a step's host work); off (the default): lane steps carry that prefill, without drafts."""
+    both lanes and runs the plain overlapped loop until there is room again (the default); off: lane
+    steps carry that prefill, without drafts (measured slower on docs1000: 21.43 s against 19.85 s,
+    H100, BENCHMARKS.md twentieth session; a lane step with a prefill chunk and drafts runs eagerly,
+    19 ms of host launch, where the plain loop replays a mixed-step graph)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 
@@ -120,7 +122,7 @@ class SpeculativeConfig:
     gate: bool = False
     lanes: bool | None = None
     prefill_first: bool = False
-    lanes_drain: bool = False
+    lanes_drain: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

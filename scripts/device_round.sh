@@ -1,7 +1,7 @@
 # One device call of this round (issues 15, 21 and the KV sizing fix). ROUND=1 (default): the GPU suite, then
 # speculation benches (drafts before prompts in the budget); ROUND=2: the whole job (gpu_job_ab.sh), grammar drafts,
 # the 8B grammar twin. Benches run in order of priority, each only while the call's time allows (BUDGET seconds from
-# the start, default 540).
+# the start, default 540). ROUND=3: speculation by batch size (scripts/spec_batch_sweep.py), drafts first on llama-3.1-8b.
 source scripts/device_setup.sh >/dev/null
 t0=$SECONDS; left() { echo $(( ${BUDGET:-540} - (SECONDS - t0) )); }
 if [ "${ROUND:-1}" = 1 ]; then
@@ -16,18 +16,29 @@ run() {  # name need_s bench-args...
   timeout "$(left)" bench throughput "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -v -i -E "warn|regex pattern" "$OUT/$name.log" \
-    | grep -E "^elapsed|decode-only|^speculative|oracle drafts|decode 193|decode 97|prefill/mixed|plain twin|constrained again"
+    | grep -E "^elapsed|decode-only|^speculative|oracle drafts|decode 193|decode 97|prefill/mixed|reads only|plain twin|constrained again"
   [ "$rc" = 0 ] || { echo "--- $name exited $rc:"; tail -n 8 "$OUT/$name.log"; }
 }
 if [ "${ROUND:-1}" = 1 ]; then
-  # drafts before waiting prompts in a step's budget (the default) against prompts first
-  run docs1000-oracle10-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
+  # issue 15 at the 70% point (5% of oracle tokens corrupted: acceptance 0.75 on docs1000)
   run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
-  run docs1000-oracle10-k6-prefill-first 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6 --spec-prefill-first
-  run nano256-oracle10-k6 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.10 --spec-tokens 6
+  run docs1000-oracle05-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6
+  run nano256-oracle05-k6 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6
   run nano256-plain 30 --workload nano256 --model qwen3-0.6b
-  run docs1000-json-spec-grammar 70 --workload docs1000-json --model qwen3-0.6b --speculative grammar
   run docs1000-json 45 --workload docs1000-json --model qwen3-0.6b
+elif [ "$ROUND" = 3 ]; then  # speculation by batch size, then drafts first on a compute-bound shape
+  sweep() {  # name need_s args...
+    local name=$1 need=$2; shift 2
+    [ "$(left)" -ge "$need" ] || { echo "=== $name skipped ($(left) s left)"; return; }
+    echo "=== $name"
+    timeout "$(left)" python3 scripts/spec_batch_sweep.py "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 \
+      || { echo "--- $name failed:"; tail -n 8 "$OUT/$name.log"; }
+    grep -E "^\||oracle drafts" "$OUT/$name.log"
+  }
+  sweep spec-batches-0.6b 120 --model qwen3-0.6b --batches 1,4,16,64,128,256 --spec-tokens 6 --oracle-corrupt 0.05 --gate
+  sweep spec-batches-8b 200 --model llama-3.1-8b --batches 1,16,64,256 --spec-tokens 4 --oracle-corrupt 0.05
+  run docs1000-8b-oracle05-k4 150 --workload docs1000 --model llama-3.1-8b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 4
+  run docs1000-8b-oracle05-k4-prefill-first 150 --workload docs1000 --model llama-3.1-8b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 4 --spec-prefill-first
 else  # round 2: the whole job (issue 21), grammar drafts and the 8B grammar twin
   LIMIT=200 bash scripts/gpu_job_ab.sh qwen3-0.6b:2000:new qwen2.5-7b:1000:new
   run docs1000-json-spec-grammar 80 --workload docs1000-json --model qwen3-0.6b --speculative grammar

@@ -20,12 +20,15 @@ def test_step_breakdown_groups_and_floors():
         stats(2, 0, 200, 50, 4.0, idle=1.0, phases={"launch": 1.0, "read_tokens": 2.0}),
         stats(3, 0, 250, 60, 6.0, idle=0.0, phases={"launch": 3.0}),
         stats(4, 0, 10, 5, 1.0),
-        stats(5, 0, 0, 0, 0.1),  # only drained the previous step: skipped
+        stats(5, 0, 0, 0, 0.1),  # only read the step in flight: a group of its own, no floor
     ]
     kw = dict(weight_bytes=1000, kv_bytes_per_token=10, block_size=4, flops_per_token=100.0, lm_head_flops=50.0,
               copy_bytes_per_s=1e6, matmul_flops_per_s=1e7)
     groups = {g["group"]: g for g in step_breakdown(steps, **kw)}
-    assert set(groups) == {"prefill/mixed", "decode 193+ rows", "decode 1-16 rows"}
+    assert set(groups) == {"prefill/mixed", "decode 193+ rows", "decode 1-16 rows", "reads only"}
+    reads = groups["reads only"]
+    assert reads["steps"] == 1 and reads["time_s"] == pytest.approx(1e-4) and reads["mean_floor_ms"] == 0.0
+    assert reads["fraction_of_floor"] is None
     big = groups["decode 193+ rows"]
     assert big["steps"] == 2 and big["time_s"] == pytest.approx(0.010) and big["max_step_ms"] == 6.0
     # step 2: memory (1000 + 50*4*10) / 1e6 s = 3 ms, compute (200*100 + 200*50) / 1e7 s = 3 ms
@@ -46,6 +49,7 @@ def test_step_breakdown_groups_and_floors():
     modeled = {g["group"]: g for g in step_breakdown(steps, **kw, step_cost=cost)}
     # step 2: max(1 ms, 2 ms + 1 ms) + 200 KV tokens x 10 B / 1e6 = 5 ms; step 3: max(1, 2.5 + 1.25) + 2.4 = 6.15 ms
     assert modeled["decode 193+ rows"]["mean_model_ms"] == pytest.approx((5.0 + 6.15) / 2)
+    assert modeled["reads only"]["mean_model_ms"] == 0.0
 
 
 def test_compiled_variants_counts_every_kernel_and_reports_only_growth():
@@ -123,6 +127,29 @@ def test_oracle_speculation_reports_acceptance(tiny_model, tmp_path, lanes):
     # no grammar: every draft is the drafter's (reported as the oracle source)
     assert sp["sources"]["ngram"]["accepted"] == sp["accepted"] and sp["sources"]["forced"]["verified"] == 0
     assert "oracle drafts" in format_report(r)
+
+
+def test_oracle_drafts_nothing_once_a_sequence_leaves_the_recording():
+    """A measured run's output can differ from the recorded one (bf16 numerics of another batch): while a
+    sequence's latest tokens differ from the recording, the oracle drafts nothing for it (it knows
+    nothing of it), and it goes on drafting the recording for the others."""
+    from types import SimpleNamespace
+
+    from batchinfer.bench.oracle import oracle_drafter
+
+    truth = {"a": [10, 11, 12, 13, 14, 15, 16], "b": [20, 21, 22, 23, 24]}
+    draft = oracle_drafter(truth, 0.0, 100)
+
+    def seq(rid, output):
+        return SimpleNamespace(request=SimpleNamespace(request_id=rid), token_ids=[1, 2, *output], num_prompt_tokens=2,
+                               num_generated=len(output))
+
+    assert draft(seq("a", [10]), 3) == [11, 12, 13]
+    assert draft(seq("b", [20, 21]), 2) == [22, 23]
+    assert draft(seq("a", [10, 11, 99]), 3) == []  # left the recording at its third token
+    assert draft(seq("a", [10, 11, 99, 13]), 3) == []  # and stays off while its latest tokens differ
+    assert draft(seq("b", [20, 21, 22]), 5) == [23, 24]
+    assert draft(seq("a", [10, 11, 12]), 2) == [13, 14]  # the same request run again (the bench's warm-up, then its run)
 
 
 def test_plain_twin_runs_the_constrained_lengths_without_constraints(tiny_model, tmp_path):

@@ -196,6 +196,52 @@ def test_verify_steps_while_prompts_wait(tiny_model, lanes, prefill_first):
     assert mixed > 0 if not prefill_first else mixed == 0, (mixed, budgets)
 
 
+@pytest.mark.parametrize("mode", ["serial", "lanes-drain", "lanes-carry"])
+def test_prefill_beside_verify_steps(tiny_model, mode):
+    """Prompts longer than the token budget, admitted beside decoding sequences: some steps hold only
+    prefill chunks and sample nothing. A verify step of those once never completed, so the same chunk
+    ran forever (lane steps carrying prefill: a lane's draft budget counts its own sequences only, so
+    such a step can be a verify step). Where prefill leaves no room for drafts a serial engine
+    and lanes_drain (the default) run plain overlapped steps; lanes_drain off carries that prefill in
+    lane steps without drafts and runs no plain step. The tokens are the plain engine's in every mode."""
+    rng = random.Random(5)
+    reqs = [Request(f"r{i}", rand_prompt(rng, 60 + 7 * i), SamplingParams(max_tokens=6 + 3 * (i % 5), temperature=0.0,
+                                                                       ignore_eos=True))
+            for i in range(10)]
+    plain = run(make_engine(tiny_model, max_num_batched_tokens=48, max_num_seqs=4), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    steps: list = []
+
+    def on_step(stats) -> None:
+        steps.append(stats)
+        assert len(steps) < 500, "the engine stopped making progress (a prefill chunk repeated)"
+
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": mode.startswith("lanes"),
+                                      "lanes_drain": mode == "lanes-drain", "max_step_tokens": 40},
+                         drafter=oracle(truth, 0.0, 500), max_num_batched_tokens=48, max_num_seqs=4, on_step=on_step)
+    plain_steps, no_room = [], []
+    plain_step, has_room = engine._plain_step, engine.speculator.has_room
+
+    def count_plain(*a, **k):
+        plain_steps.append(1)
+        return plain_step(*a, **k)
+
+    def count_room(eng):
+        room = has_room(eng)
+        no_room.append(not room)
+        return room
+
+    engine._plain_step, engine.speculator.has_room = count_plain, count_room
+    assert_same(plain, run(engine, reqs))
+    assert any(no_room), "the workload never left a step without room for drafts"
+    assert sum(s.spec_accepted for s in steps) > 0
+    if mode == "lanes-carry":
+        assert not plain_steps, f"{len(plain_steps)} plain steps: the lanes drained for prefill"
+        assert any(s.num_prefill_tokens and not s.num_decode_tokens for s in steps), "no lane step carried prefill alone"
+    else:
+        assert plain_steps, "no plain step while prefill left no room for drafts"
+
+
 @LANES
 @pytest.mark.parametrize(
     "config",

@@ -83,6 +83,11 @@ def throughput(
         False, "--spec-prefill-first/--spec-drafts-first",
         help="With --speculative: waiting prompts before drafts in a step's token budget (default: drafts first).",
     ),
+    spec_lanes_drain: bool = typer.Option(
+        True, "--spec-lanes-drain/--spec-lanes-carry-prefill",
+        help="With --speculative and lanes: drain both lanes for plain steps while prefill leaves no room for drafts "
+             "(the default), or let lane steps carry that prefill without drafts.",
+    ),
     plain_twin: bool = typer.Option(
         False, "--plain-twin/--no-plain-twin",
         help="With a constrained workload (docs1000-json): also time the same prompts unconstrained, each for as many tokens "
@@ -131,7 +136,7 @@ def throughput(
             raise ValueError("--plain-twin runs with one engine (no --data-parallel)")
         result = run_throughput(model, workload, overrides, scale=scale, data_parallel=data_parallel, profile_dir=profile_dir,
                                 speculative=speculative, spec_tokens=spec_tokens, oracle_corrupt=oracle_corrupt,
-                                spec_gate=spec_gate, spec_lanes=spec_lanes, spec_prefill_first=spec_prefill_first,
+                                spec_gate=spec_gate, spec_lanes=spec_lanes, spec_prefill_first=spec_prefill_first, spec_lanes_drain=spec_lanes_drain,
                                 plain_twin=plain_twin)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)

@@ -16,11 +16,11 @@ import torch
 
 from batchinfer.bench.roofline import measure_ceilings
 from batchinfer.bench.shapes import SHAPES
-from batchinfer.bench.throughput import STEP_BUCKETS, BenchEngine, bench_engine_config, measure_workload
+from batchinfer.bench.throughput import READS_ONLY, STEP_BUCKETS, BenchEngine, bench_engine_config, measure_workload
 
 # The step kinds of the table, in order (throughput.step_breakdown's group names).
 STEP_KINDS = tuple(f"decode {lo}-{hi} rows" if hi < (1 << 30) else f"decode {lo}+ rows" for lo, hi in STEP_BUCKETS) + (
-    "prefill/mixed",
+    "prefill/mixed", READS_ONLY,
 )
 
 
@@ -99,8 +99,10 @@ def run_matrix(
 
 def _kind_cell(row: dict, kind: str) -> str:
     k = row["step_kinds"].get(kind)
-    if k is None or k["fraction_of_floor"] is None:
+    if k is None:
         return "-"
+    if k["fraction_of_floor"] is None:  # no floor of its own (reads only): its share of the run
+        return f"- ({100 * k['share']:.0f}%)"
     return f"{100 * k['fraction_of_floor']:.0f}% ({100 * k['share']:.0f}%)"
 
 

@@ -154,6 +154,7 @@ def run_throughput(
     plain_twin: bool = False,
     spec_lanes: bool | None = None,
     spec_prefill_first: bool = False,
+    spec_lanes_drain: bool = True,
 ) -> dict:
     """Run `workload` on `model` (a shape name or folder); return the numbers as a dict.
 
@@ -170,6 +171,7 @@ def run_throughput(
     (bench/oracle.py). spec_gate: speculate only where it measures faster (engine.speculative.gate);
     spec_lanes: engine.speculative.lanes (None: the engine's default, lanes on a GPU).
     spec_prefill_first: engine.speculative.prefill_first (waiting prompts before drafts in a step's budget).
+    spec_lanes_drain: engine.speculative.lanes_drain (lanes drained for plain steps while prefill leaves no room).
     plain_twin: see measure_workload.
     """
     if data_parallel not in (None, 1):
@@ -184,7 +186,7 @@ def run_throughput(
             drafter = _record_oracle(cfg, workload, scale, shard, spec_tokens, oracle_corrupt)
         method = "ngram+grammar" if speculative == "oracle" else speculative
         cfg = replace(cfg, speculative={"method": method, "num_tokens": spec_tokens, "gate": spec_gate, "lanes": spec_lanes,
-                                          "prefill_first": spec_prefill_first})
+                                          "prefill_first": spec_prefill_first, "lanes_drain": spec_lanes_drain})
     t_load = time.perf_counter()
     bench = BenchEngine(cfg, drafter)
     load_s = time.perf_counter() - t_load
@@ -506,6 +508,7 @@ def decode_only_rate(steps) -> dict | None:
 
 
 STEP_BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 1 << 30))
+READS_ONLY = "reads only"  # step_breakdown's group of iterations that launched no step
 
 
 def step_breakdown(
@@ -522,7 +525,8 @@ def step_breakdown(
     step_cost=None,
 ) -> list[dict]:
     """Where the measured time went: steps grouped by kind (steps with prefill tokens; decode-only
-    steps by their number of rows), each group's wall time against its own per-step floor.
+    steps by their number of rows; iterations that only read steps in flight, READS_ONLY), each
+    group's wall time against its own per-step floor.
 
     A step's floor is the larger of (weights + the KV of every block in use) over the copy bandwidth
     and its tokens' layer FLOPs (at layer_flops_per_s: FP8's with FP8 weights) plus the LM head of its decode rows over the
@@ -537,8 +541,11 @@ def step_breakdown(
     for s in steps:
         rows = s.num_decode_tokens  # tokens of decoding rows (with drafts: more than the rows)
         if not rows and not s.num_prefill_tokens:
-            continue  # a step that only drained the previous one's results
-        if s.num_prefill_tokens:
+            # an iteration that launched nothing, only read steps in flight (the plain loop's last
+            # step; lanes drained): its time is the device finishing those steps plus the host's
+            # reading, so it has no floor of its own but belongs in the run's time
+            key = READS_ONLY
+        elif s.num_prefill_tokens:
             key = "prefill/mixed"
         else:
             seqs = getattr(s, "spec_decode_rows", 0) or rows
@@ -548,7 +555,7 @@ def step_breakdown(
                                     "idle_ms": 0.0, "phases": {}, "model_ms": 0.0})
         kv_tokens = s.kv_blocks_used * block_size
         tokens = s.num_prefill_tokens + s.num_decode_tokens
-        mem = (weight_bytes + kv_tokens * kv_bytes_per_token) / copy_bytes_per_s
+        mem = (weight_bytes + kv_tokens * kv_bytes_per_token) / copy_bytes_per_s if tokens else 0.0
         comp = tokens * flops_per_token / (layer_flops_per_s or matmul_flops_per_s) + rows * lm_head_flops / matmul_flops_per_s
         g["steps"] += 1
         g["ms"] += s.step_ms
@@ -557,7 +564,7 @@ def step_breakdown(
         for name, ms in getattr(s, "phases_ms", {}).items():
             g["phases"][name] = g["phases"].get(name, 0.0) + ms
         g["floor_ms"] += 1e3 * max(mem, comp)
-        if step_cost is not None:
+        if step_cost is not None and tokens:
             g["model_ms"] += 1e3 * step_cost.seconds(rows, kv_tokens if rows else 0, s.num_prefill_tokens)
         g["tokens"] += tokens
         g["kv_tokens"] += kv_tokens
@@ -568,7 +575,7 @@ def step_breakdown(
         out.append({
             "group": key, "steps": n, "time_s": g["ms"] / 1e3, "share": g["ms"] / total,
             "mean_step_ms": g["ms"] / n, "max_step_ms": g["max_ms"], "mean_floor_ms": g["floor_ms"] / n,
-            "fraction_of_floor": g["floor_ms"] / g["ms"] if g["ms"] else None,
+            "fraction_of_floor": g["floor_ms"] / g["ms"] if g["ms"] and key != READS_ONLY else None,
             "mean_tokens": g["tokens"] / n, "mean_kv_tokens": g["kv_tokens"] / n,
             "mean_device_idle_ms": g["idle_ms"] / n,
             "mean_model_ms": g["model_ms"] / n if step_cost is not None else None,

@@ -339,10 +339,11 @@ class Engine:
         if spec is None:
             return self._plain_step()
         gate = spec.gate
-        # a step whose token budget prefill fills has no room for drafts: with them it would only be
-        # a plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md)
+        # a step whose token budget prefill fills has no room for drafts: serially it would only be a
+        # plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md); with
+        # SpeculativeConfig.lanes_drain off, lanes in flight carry it as a lane step without drafts
         lanes = self._lanes
-        if not spec.has_room(self):
+        if not spec.has_room(self) and (lanes is None or spec.config.lanes_drain or not lanes.busy):
             if gate is not None:
                 gate.passed()
             return (lanes.drain(self) if lanes is not None else []) + self._plain_step()
@@ -494,7 +495,7 @@ class Engine:
         tokens = flight.tokens.tolist()
         self._wait_s += time.perf_counter() - t
         self._phase("read_tokens")
-        self._idle_ms = self._idle_gaps_ms(flight)
+        self._idle_ms = self._idle_gaps_ms(flight.marks)
         now = time.perf_counter()
         # rows of sequences that had finished before this step launched are wasted: never read
         rows = [(seq, token) for row, (seq, token) in enumerate(zip(flight.sampling, tokens))
@@ -520,10 +521,13 @@ class Engine:
                 results.append(make_result(seq))
         return results, fill
 
-    def _idle_gaps_ms(self, flight: _InFlight) -> float | None:
-        """How long the GPU sat idle waiting for the host around this step: from the end of the step
-        before to this one's start, and between its forward and its sampling. None on the CPU."""
-        before, start, forward_end, sample_start = flight.marks
+    @staticmethod
+    def _idle_gaps_ms(marks: tuple[Any, Any, Any, Any]) -> float | None:
+        """How long the GPU sat idle waiting for the host around a step whose tokens were read: from
+        the end of the step launched before it to its start, and between its forward and its sampling
+        (marks: those CUDA events; a plain step's, or a verify step's, engine/speculative.py). None on
+        the CPU."""
+        before, start, forward_end, sample_start = marks
         if start is None:
             return None
         gap = before.elapsed_time(start) if before is not None else 0.0

@@ -11,7 +11,8 @@ so the weights are read twice per round; what the host does per sequence is the 
 
 Outputs are those of the serial steps (a sequence's draws depend on its own tokens and counter, never
 on which sequences share its step). Before a step that is not a verify step (prefill filling the
-budget, or the gate choosing a plain step) the engine drains both lanes.
+budget, or the gate choosing a plain step) the engine drains both lanes; with
+SpeculativeConfig.lanes_drain off, lane steps carry such prefill without drafts instead.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Lanes:
         lane, self._next = self._next, self._next ^ 1
         done, self._flight[lane] = self._flight[lane], None
         results = self.speculator.finish(engine, done) if done is not None else []
-        if done is not None and not self.speculator.has_room(engine):
+        if done is not None and self.speculator.config.lanes_drain and not self.speculator.has_room(engine):
             # the sequences it finished let waiting prompts fill the next step: no room for drafts,
             # so the engine's next iteration runs a plain step, after the other lane is read
             self._report(engine, done, t0, len(results))

@@ -38,7 +38,9 @@ acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are ra
 again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
 without them (it is compute-bound: verifying would cost, not save).
 Where the running sequences leave no room for a draft (has_room; with prefill_first also while
-waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead. Whether the
+waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead, after draining
+the lanes (`lanes_drain`; lane steps carrying that prefill without drafts measured slower, BENCHMARKS.md
+twentieth session). Whether the
 other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
 against plain steps; the better one runs, the other is probed now and then.
@@ -101,7 +103,12 @@ class SpeculativeConfig:
     EngineConfig.overlap (on the CPU the model runs on the host, so no host work would hide);
     prefill_first: waiting prompts' tokens come before drafts in a step's budget (no drafts while
     prompts wait to fill it); off (the default): the decoding sequences' drafts come first and the
-    prompts take the rest of the budget, so the steps that prefill verify drafts as well."""
+    prompts take the rest of the budget, so the steps that prefill verify drafts as well;
+    lanes_drain: with lanes, a step whose running sequences' prefill leaves no room for drafts drains
+    both lanes and runs the plain overlapped loop until there is room again (the default); off: lane
+    steps carry that prefill, without drafts (measured slower on docs1000: 21.43 s against 19.85 s,
+    H100, BENCHMARKS.md twentieth session; a lane step with a prefill chunk and drafts runs eagerly,
+    19 ms of host launch, where the plain loop replays a mixed-step graph)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 
@@ -115,6 +122,7 @@ class SpeculativeConfig:
     gate: bool = False
     lanes: bool | None = None
     prefill_first: bool = False
+    lanes_drain: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -223,6 +231,9 @@ class VerifyStep:
     plans: dict[int, _Plan]
     counts: SpecCounts
     tokens: SampledTokens | None = None
+    # CUDA timing events (end of the step launched before, start, end of forward, start of sampling),
+    # for the device's idle gaps around this step (None on the CPU or without sampling rows)
+    marks: tuple[Any, Any, Any, Any] | None = None
 
 
 class Speculator:
@@ -384,10 +395,16 @@ class Speculator:
         widths = np.fromiter((1 + s.num_draft for s in sampling), dtype=np.int64, count=len(sampling))
         batch = engine.runner.prepare(step.seqs, step.num_tokens, step.samples, sample_widths=widths)
         engine._phase("prepare")
+        before, start = engine._last_end, engine.runner.mark()
         logits = engine._device_call(engine.runner.forward, batch)
+        forward_end = engine.runner.mark()
         engine._phase("launch")
-        tokens = self._sample(engine, logits, sampling, widths, plans)
-        return VerifyStep(step, sampling, widths, plans, counts, tokens)
+        tokens, sample_start = self._sample(engine, logits, sampling, widths, plans)
+        marks = None
+        if tokens is not None and start is not None:
+            marks = (before, start, forward_end, sample_start)
+            engine._last_end = tokens.event  # the stream's last step now: the next step's gap starts here
+        return VerifyStep(step, sampling, widths, plans, counts, tokens, marks)
 
     def finish(self, engine: Any, verify: VerifyStep) -> list[Result]:
         """Wait for a launched step's tokens, accept each draft's matching prefix, append the emitted
@@ -398,28 +415,34 @@ class Speculator:
             tokens = verify.tokens.tolist()
             engine._wait_s += time.perf_counter() - t
             engine._phase("read_tokens")
+            if verify.marks is not None:  # the device's idle gaps around this step, as for a plain step
+                engine._idle_ms = engine._idle_gaps_ms(verify.marks)
             results = self._emit(engine, verify.step, verify.sampling, verify.widths, tokens,
                                  verify.tokens.logprobs, verify.counts, verify.plans)
             engine._phase("post")
+        elif verify.step.seqs:  # prefill chunks only (no prompt ends in this step): nothing to read
+            engine.scheduler.complete_step(verify.step)
         return results
 
     def _sample(self, engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray,
-                plans: dict[int, _Plan]) -> SampledTokens | None:
+                plans: dict[int, _Plan]) -> tuple[SampledTokens | None, Any]:
         """Launch the draw of every sampling row (sequence i's widths[i] positions) as plain decoding
         would draw each position: its counter, its min_tokens bans, its grammar mask; the tokens (and
-        the logprobs where asked) are copied to the host without waiting (None: no row samples)."""
+        the logprobs where asked) are copied to the host without waiting (None: no row samples).
+        Also the timing event recorded where the draw starts (None on the CPU)."""
         first = generated_before(sampling)
         steps = row_steps(first, widths)
         bans = row_bans(sampling, widths, first, engine._bans_at)
         bitmask = self._bitmask(sampling, widths, plans)
         engine._phase("grammar_mask")
         if not sampling:
-            return None
+            return None, None
+        sample_start = engine.runner.mark()
         tokens_dev = engine._device_call(engine.runner.sample_tokens, logits, sampling, bans, bitmask, steps, widths)
         logprobs = self._logprobs(engine, logits, sampling, widths, tokens_dev)
         tokens = SampledTokens(tokens_dev, logprobs)
         engine._phase("sample_launch")
-        return tokens
+        return tokens, sample_start
 
     @staticmethod
     def _emit(engine: Any, step: Any, sampling: list[Sequence], widths: np.ndarray, tokens: list[int], logprobs: Any,

@@ -72,6 +72,7 @@ from batchinfer.engine.request import Result
 from batchinfer.engine.sampled_tokens import SampledTokens
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.spec_gate import SpecGate
+from batchinfer.structured.bitmask import RowMasks
 from batchinfer.engine.verify import (
     append_emitted,
     generated_before,
@@ -433,7 +434,7 @@ class Speculator:
         first = generated_before(sampling)
         steps = row_steps(first, widths)
         bans = row_bans(sampling, widths, first, engine._bans_at)
-        bitmask = self._bitmask(sampling, widths, plans)
+        bitmask = self._bitmask(engine, sampling, widths, plans)
         engine._phase("grammar_mask")
         if not sampling:
             return None, None
@@ -472,18 +473,33 @@ class Speculator:
         rows_seq = [s for s, w in zip(sampling, widths.tolist()) for _ in range(w)]
         return engine.runner.token_logprobs(logits, rows_seq, tokens)
 
-    def _bitmask(self, sampling: list[Sequence], widths: np.ndarray, plans: dict[int, _Plan]) -> torch.Tensor | None:
-        """int32 bitmask of every sampling position (rows of sequences without a grammar all -1)."""
+    def _bitmask(self, engine: Any, sampling: list[Sequence], widths: np.ndarray,
+                 plans: dict[int, _Plan]) -> RowMasks | None:
+        """The masks of every sampling position (RowMasks; rows of sequences without a grammar
+        all-allowed). A drafted sequence's positions take the masks its draft was cut with; the
+        other sequences' one position takes the engine's grammar masks (engine/grammar.py: one per
+        grammar state, kept across steps, filled on the library's threads), as a plain step's would.
+        Filling those here one row at a time on the loop's thread cost 21 ms of a 29 ms verify step
+        (docs1000-json, ~124 rows, H100, BENCHMARKS.md twentieth session)."""
         if not any(s.matcher is not None for s in sampling):
             return None
-        mask = torch.full((int(widths.sum()), self.words), -1, dtype=torch.int32)
-        row = 0
-        for seq, width in zip(sampling, widths.tolist()):
-            if seq.matcher is not None:
-                plan = plans.get(id(seq))
-                if plan is not None and plan.masks is not None and plan.masks.shape[0] >= width:
-                    mask[row : row + width] = plan.masks[:width]
-                else:
-                    seq.matcher.fill_next_token_bitmask(mask, row)
+        width_list = widths.tolist()
+        own: list[torch.Tensor | None] = [None] * len(sampling)  # a drafted sequence's masks, per position
+        for i, (seq, width) in enumerate(zip(sampling, width_list)):
+            plan = plans.get(id(seq)) if seq.matcher is not None else None
+            if plan is not None and plan.masks is not None and plan.masks.shape[0] >= width:
+                own[i] = plan.masks[:width]
+        shared = engine.grammar.bitmask(sampling, [m is None for m in own])
+        base = shared.table if shared is not None else torch.full((1, self.words), -1, dtype=torch.int32)
+        extra = [m for m in own if m is not None]
+        table = torch.cat([base, *extra]) if extra else base
+        index = np.zeros(int(widths.sum()), dtype=np.int64)  # slot 0 of either base: all-allowed
+        row, slot = 0, base.shape[0]
+        for i, width in enumerate(width_list):
+            if own[i] is not None:
+                index[row : row + width] = np.arange(slot, slot + width)
+                slot += width
+            elif shared is not None:
+                index[row] = int(shared.index[i])  # (a sequence with a grammar drafts only with its masks)
             row += width
-        return mask
+        return RowMasks(table, torch.from_numpy(index))

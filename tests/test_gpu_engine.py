@@ -375,6 +375,35 @@ def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lane
     assert engine.allocator.num_used == 0
 
 
+def test_lane_steps_carrying_prefill_replay_mixed_graphs(tiny_model):
+    """speculative.lanes_drain off: lane steps carry prefill chunks beside their verify rows. Mixed-step
+    graphs then gather every running sequence's k+1 rows (model_runner._mixed_graph_samples), so such
+    a step replays a graph instead of running eagerly; the tokens stay the plain run's."""
+    from batchinfer.bench.oracle import oracle_drafter
+
+    reqs = _requests(32, 500, max_tokens=30, temperature=0.0)
+    plain = {r.request_id: r.output_token_ids for r in _engine(tiny_model, "float32").generate(reqs)}
+    steps: list = []
+    engine = Engine(
+        EngineConfig(model=str(tiny_model), dtype="float32", device="cuda", attention_backend="triton", max_num_seqs=16,
+                     max_num_batched_tokens=256, num_kv_blocks=512,
+                     speculative={"num_tokens": 4, "lanes": True, "lanes_drain": False}),
+        on_step=steps.append, drafter=oracle_drafter(plain, 0.3, 500),
+    )
+    mixed = engine.runner.mixed_graphs
+    assert mixed is not None and mixed.max_num_seqs == min(256, 16 * 5)
+    wide: list[int] = []
+    real_run = mixed.run
+    mixed.run = lambda ids, pos, meta, index: (wide.append(index.shape[0]) if index.shape[0] > 16 else None) or real_run(
+        ids, pos, meta, index)
+    spec = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
+    assert spec == plain
+    assert wide, "no lane step with prefill and drafts replayed a mixed graph"
+    assert any(s.num_prefill_tokens and s.spec_verified for s in steps)
+    engine.allocator.check()
+    assert engine.allocator.num_used == 0
+
+
 def test_shared_grammar_masks_give_the_per_row_tokens_on_the_gpu(tiny_model):
     """Grammar masks reach the sampler as distinct masks and a row index (RowMasks), gathered on the
     GPU: greedy and sampled JSON and regex answers equal those of one fill per row."""

@@ -159,7 +159,8 @@ class ModelRunner:
         tokens = self._mixed_graph_tokens()
         if tokens:
             buffers = self.attention.graph_buffers(tokens, config.max_num_seqs, self.max_blocks_per_seq, False, self.device)
-            self.mixed_graphs = MixedGraphs(buffers, tokens, config.max_num_seqs, self.vocab_size, self.info.dtype, self.device)
+            self.mixed_graphs = MixedGraphs(buffers, tokens, self._mixed_graph_samples(tokens), self.vocab_size,
+                                            self.info.dtype, self.device)
             self.mixed_graphs.capture(self._logits_at)
             t = self._span("graph_capture_mixed", t)
         self.verify_graphs: VerifyGraphs | None = None
@@ -218,6 +219,17 @@ class ModelRunner:
         if not self._graphs_usable():
             return 0
         return min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+
+    def _mixed_graph_samples(self, tokens: int) -> int:
+        """Sampling rows a mixed-step graph gathers for its LM head: max_num_seqs; with speculation
+        whose lane steps carry prefill (speculative.lanes_drain off), every running sequence's k+1
+        verify rows (at most the graph's tokens), so a lane step with a prefill chunk and drafts
+        replays a graph instead of ~19 ms of eager launches (BENCHMARKS.md twentieth session). Every
+        mixed step then runs the LM head over that many rows."""
+        spec, most = self.config.speculative, self.config.max_num_seqs
+        if spec is None or spec.lanes_drain:
+            return most
+        return min(tokens, most * (1 + spec.num_tokens))
 
     def _verify_graph_tokens(self) -> int:
         """Largest speculative verify step (tokens) captured as a graph: a step with drafts has at most

@@ -65,10 +65,10 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ceilings = measure_ceilings(device)
-    cfg = replace(bench_engine_config(args.model), max_num_seqs=max(batches[-1], 1))
+    cfg = replace(bench_engine_config(args.model), max_num_seqs=batches[-1])
     out: dict = {"model": args.model, "workload": args.workload, "spec_tokens": args.spec_tokens,
                  "oracle_corrupt": args.oracle_corrupt, "device": ceilings.device, "rows": {}}
-    runs = {"plain": None, "oracle": False} | ({"oracle+gate": True} if args.gate else {})
+    spec_runs = {"oracle": False} | ({"oracle+gate": True} if args.gate else {})  # name: engine.speculative.gate
 
     bench = BenchEngine(replace(cfg, speculative=None))
     try:
@@ -81,9 +81,7 @@ def main() -> None:
             out["rows"].setdefault(str(n), {})["plain"] = _measure(bench, args, ceilings, n, None)
     finally:
         bench.close()
-    for name, gate in runs.items():
-        if gate is None:
-            continue
+    for name, gate in spec_runs.items():
         spec = {"method": "ngram+grammar", "num_tokens": args.spec_tokens, "gate": gate}
         bench = BenchEngine(replace(cfg, speculative=spec), oracle_drafter(truth, args.oracle_corrupt, vocab))
         try:

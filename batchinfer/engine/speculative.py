@@ -40,8 +40,7 @@ without them (it is compute-bound: verifying would cost, not save).
 Where the running sequences leave no room for a draft (has_room; with prefill_first also while
 waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead, after draining
 the lanes (`lanes_drain`; lane steps carrying that prefill without drafts measured slower, BENCHMARKS.md
-twentieth session). Whether the
-other steps draft can be measured as well
+twentieth session). Whether the other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
 against plain steps; the better one runs, the other is probed now and then.
 Steps with drafts cannot look ahead as plain steps do (engine.py): with EngineConfig.overlap they

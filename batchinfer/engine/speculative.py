@@ -67,6 +67,7 @@ import numpy as np
 import torch
 
 from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
+from batchinfer.engine.grammar import StartedFill
 from batchinfer.engine.request import Result
 from batchinfer.engine.sampled_tokens import SampledTokens
 from batchinfer.engine.sequence import Sequence
@@ -393,13 +394,18 @@ class Speculator:
                 seq.scheduled = t0
         sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
         widths = np.fromiter((1 + s.num_draft for s in sampling), dtype=np.int64, count=len(sampling))
+        own = self._own_masks(sampling, widths, plans)
+        # the other rows' masks fill on the library's threads while the step is packed and launched
+        fill = engine.grammar.start_fill(sampling, [], [], [m is None for m in own]) if any(
+            s.matcher is not None for s in sampling) else None
+        engine._phase("grammar_fill_start")
         batch = engine.runner.prepare(step.seqs, step.num_tokens, step.samples, sample_widths=widths)
         engine._phase("prepare")
         before, start = engine._last_end, engine.runner.mark()
         logits = engine._device_call(engine.runner.forward, batch)
         forward_end = engine.runner.mark()
         engine._phase("launch")
-        tokens, sample_start = self._sample(engine, logits, sampling, widths, plans)
+        tokens, sample_start = self._sample(engine, logits, sampling, widths, own, fill)
         marks = None
         if tokens is not None and start is not None:
             marks = (before, start, forward_end, sample_start)
@@ -425,7 +431,7 @@ class Speculator:
         return results
 
     def _sample(self, engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray,
-                plans: dict[int, _Plan]) -> tuple[SampledTokens | None, Any]:
+                own: list[torch.Tensor | None], fill: StartedFill | None) -> tuple[SampledTokens | None, Any]:
         """Launch the draw of every sampling row (sequence i's widths[i] positions) as plain decoding
         would draw each position: its counter, its min_tokens bans, its grammar mask; the tokens (and
         the logprobs where asked) are copied to the host without waiting (None: no row samples).
@@ -433,7 +439,7 @@ class Speculator:
         first = generated_before(sampling)
         steps = row_steps(first, widths)
         bans = row_bans(sampling, widths, first, engine._bans_at)
-        bitmask = self._bitmask(engine, sampling, widths, plans)
+        bitmask = self._bitmask(engine, sampling, widths, own, fill)
         engine._phase("grammar_mask")
         if not sampling:
             return None, None
@@ -472,23 +478,30 @@ class Speculator:
         rows_seq = [s for s, w in zip(sampling, widths.tolist()) for _ in range(w)]
         return engine.runner.token_logprobs(logits, rows_seq, tokens)
 
-    def _bitmask(self, engine: Any, sampling: list[Sequence], widths: np.ndarray,
-                 plans: dict[int, _Plan]) -> RowMasks | None:
-        """The masks of every sampling position (RowMasks; rows of sequences without a grammar
-        all-allowed). A drafted sequence's positions take the masks its draft was cut with; the
-        other sequences' one position takes the engine's grammar masks (engine/grammar.py: one per
-        grammar state, kept across steps, filled on the library's threads), as a plain step's would.
-        Filling those here one row at a time on the loop's thread cost 21 ms of a 29 ms verify step
-        (docs1000-json, ~124 rows, H100, BENCHMARKS.md twentieth session)."""
-        if not any(s.matcher is not None for s in sampling):
-            return None
-        width_list = widths.tolist()
-        own: list[torch.Tensor | None] = [None] * len(sampling)  # a drafted sequence's masks, per position
-        for i, (seq, width) in enumerate(zip(sampling, width_list)):
+    @staticmethod
+    def _own_masks(sampling: list[Sequence], widths: np.ndarray, plans: dict[int, _Plan]) -> list[torch.Tensor | None]:
+        """Per sampling row: the masks of its positions when its sequence drafted under a grammar
+        (those its draft was cut with), else None (its one position takes the engine's masks)."""
+        own: list[torch.Tensor | None] = [None] * len(sampling)
+        for i, (seq, width) in enumerate(zip(sampling, widths.tolist())):
             plan = plans.get(id(seq)) if seq.matcher is not None else None
             if plan is not None and plan.masks is not None and plan.masks.shape[0] >= width:
                 own[i] = plan.masks[:width]
-        shared = engine.grammar.bitmask(sampling, [m is None for m in own])
+        return own
+
+    def _bitmask(self, engine: Any, sampling: list[Sequence], widths: np.ndarray,
+                 own: list[torch.Tensor | None], fill: StartedFill | None) -> RowMasks | None:
+        """The masks of every sampling position (RowMasks; rows of sequences without a grammar
+        all-allowed). A drafted sequence's positions take its `own` masks (_own_masks); the other
+        sequences' one position takes the engine's grammar masks (engine/grammar.py: one per
+        grammar state, kept across steps, filled on the library's threads; `fill`: started before
+        the step was packed), as a plain step's would. Filling those here one row at a time on the
+        loop's thread cost 21 ms of a 29 ms verify step (docs1000-json, ~124 rows, H100,
+        BENCHMARKS.md twentieth session)."""
+        if not any(s.matcher is not None for s in sampling):
+            return None
+        width_list = widths.tolist()
+        shared = engine.grammar.bitmask(sampling, [m is None for m in own], fill)
         base = shared.table if shared is not None else torch.full((1, self.words), -1, dtype=torch.int32)
         extra = [m for m in own if m is not None]
         table = torch.cat([base, *extra]) if extra else base

@@ -20,14 +20,15 @@ run() {  # name need_s bench-args...
   [ "$rc" = 0 ] || { echo "--- $name exited $rc:"; tail -n 8 "$OUT/$name.log"; }
 }
 if [ "${ROUND:-1}" = 1 ]; then
-  # issue 15, grammar drafts: verify steps' masks through the engine's shared masks (branch spec-masks)
+  # issue 15, grammar drafts: verify steps' masks through the engine's shared masks (branch spec-masks),
+  # started before the step is packed (branch lanefill)
   run docs1000-json-spec-grammar 80 --workload docs1000-json --model qwen3-0.6b --speculative grammar
-  run docs1000-json 45 --workload docs1000-json --model qwen3-0.6b
-  # issue 15 at the 70% point (5% of oracle tokens corrupted: acceptance 0.75 on docs1000); lanes draining
-  # (the default) against lane steps carrying prefill, now replaying wide mixed graphs (branch widegraphs)
-  run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
-  run docs1000-oracle05-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6
+  # issue 15 at the 70% point (5% of oracle tokens corrupted: acceptance 0.75 on docs1000): lane steps carrying
+  # prefill, now replaying wide mixed graphs (branch widegraphs), against plain, then against lanes draining
   run docs1000-oracle05-k6-carry 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6 --spec-lanes-carry-prefill
+  run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
+  run docs1000-json 45 --workload docs1000-json --model qwen3-0.6b
+  run docs1000-oracle05-k6 90 --workload docs1000 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6
   run nano256-oracle05-k6 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6
   run nano256-plain 30 --workload nano256 --model qwen3-0.6b
 elif [ "$ROUND" = 3 ]; then  # speculation by batch size, then drafts first on a compute-bound shape

@@ -49,3 +49,7 @@ else  # round 2: the whole job (issue 21), grammar drafts and the 8B grammar twi
   run docs1000-json-spec-grammar 80 --workload docs1000-json --model qwen3-0.6b --speculative grammar
   run docs1000-json-twin-8b 150 --workload docs1000-json --model llama-3.1-8b --plain-twin
 fi
+# what comes back: the GPU suite's summary again at the end (the output's tail is all that is shown), and every
+# log and result in one archive (only a few files come back from a call)
+[ -f $OUT/gpu-tests.log ] && { echo "=== GPU suite"; grep -E "passed|failed|Error" $OUT/gpu-tests.log | tail -6; }
+(cd $OUT && tar czf round.tgz --remove-files *.log *.json 2>/dev/null)

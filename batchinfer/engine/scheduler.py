@@ -278,6 +278,9 @@ class Scheduler:
         if self._lane is not None:  # keep the lanes even: this one takes about half of what waits
             other = sum(1 for s in self.running if s.lane != self._lane and not s.final_pending)
             limit = min(limit, active + max(0, -(-(other + len(self.waiting) - active) // 2)))
+            # and never past max_num_seqs in all: the other lane may hold more than its half (plain
+            # steps, between lane episodes, admit into lane 0 up to max_num_seqs)
+            limit = min(limit, self.config.max_num_seqs - other)
         if budget <= 0 or active >= limit:
             return  # nothing can be admitted (a full decode step while prompts wait): skip the block count
         outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)

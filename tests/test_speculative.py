@@ -182,13 +182,18 @@ def test_verify_steps_while_prompts_wait(tiny_model, lanes, prefill_first):
     engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": lanes, "prefill_first": prefill_first},
                          drafter=oracle(truth, 0.0, 500), max_num_batched_tokens=40, max_num_seqs=4, on_step=steps.append)
     spec, budgets = engine.speculator, []
-    launch = spec.launch
+    launch, schedule = spec.launch, engine.scheduler.schedule
 
     def launch_verify(eng, lane=None):
         budgets.append((spec._draft_budget(eng, lane), len(eng.scheduler.waiting)))
         return launch(eng, lane)
 
-    spec.launch = launch_verify
+    def checked_schedule(lane=None):  # drafts count against the token budget: admitted prompts take the rest
+        step = schedule() if lane is None else schedule(lane)
+        assert sum(step.num_tokens) == step.total_tokens <= 40, (step.num_tokens, step.total_tokens)
+        return step
+
+    spec.launch, engine.scheduler.schedule = launch_verify, checked_schedule
     assert_same(plain, run(engine, reqs))
     assert budgets and all(b > 0 for b, _ in budgets), budgets
     assert any(w == 0 for _, w in budgets)  # verify steps ran once the prompts were in

@@ -57,12 +57,13 @@ class ScheduledStep:
     samples: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0  # one per decoding sequence
+    num_draft_tokens: int = 0  # the drafts those sequences verify (speculative decoding)
     prefill_limited: bool = False  # the prefill policy gave less than the budget left
 
     @property
     def total_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+        return self.num_prefill_tokens + self.num_decode_tokens + self.num_draft_tokens
 
 
 class Scheduler:
@@ -218,6 +219,7 @@ class Scheduler:
         step.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
         if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_draft:
             step.num_decode_tokens += 1
+            step.num_draft_tokens += seq.num_draft
         else:
             step.num_prefill_tokens += n
 

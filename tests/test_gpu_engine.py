@@ -375,10 +375,12 @@ def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lane
     assert engine.allocator.num_used == 0
 
 
-def test_lane_steps_carrying_prefill_replay_mixed_graphs(tiny_model):
-    """speculative.lanes_drain off: lane steps carry prefill chunks beside their verify rows. Mixed-step
-    graphs then gather every running sequence's k+1 rows (model_runner._mixed_graph_samples), so such
-    a step replays a graph instead of running eagerly; the tokens stay the plain run's."""
+@pytest.mark.parametrize("drain", [False, True], ids=["lanes-carry", "lanes-drain"])
+def test_lane_steps_carrying_prefill_replay_mixed_graphs(tiny_model, drain):
+    """Drafts before prompts (the default) or speculative.lanes_drain off: lane steps carry prefill
+    chunks beside their verify rows. Mixed-step graphs then gather every running sequence's k+1 rows
+    (model_runner._mixed_graph_samples), so such a step replays a graph instead of running eagerly;
+    the tokens stay the plain run's."""
     from batchinfer.bench.oracle import oracle_drafter
 
     reqs = _requests(32, 500, max_tokens=30, temperature=0.0)
@@ -387,7 +389,7 @@ def test_lane_steps_carrying_prefill_replay_mixed_graphs(tiny_model):
     engine = Engine(
         EngineConfig(model=str(tiny_model), dtype="float32", device="cuda", attention_backend="triton", max_num_seqs=16,
                      max_num_batched_tokens=256, num_kv_blocks=512,
-                     speculative={"num_tokens": 4, "lanes": True, "lanes_drain": False}),
+                     speculative={"num_tokens": 4, "lanes": True, "lanes_drain": drain}),
         on_step=steps.append, drafter=oracle_drafter(plain, 0.3, 500),
     )
     mixed = engine.runner.mixed_graphs

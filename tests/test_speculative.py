@@ -206,9 +206,10 @@ def test_prefill_beside_verify_steps(tiny_model, mode):
     """Prompts longer than the token budget, admitted beside decoding sequences: some steps hold only
     prefill chunks and sample nothing. A verify step of those once never completed, so the same chunk
     ran forever (lane steps carrying prefill: a lane's draft budget counts its own sequences only, so
-    such a step can be a verify step). Where prefill leaves no room for drafts a serial engine
-    and lanes_drain (the default) run plain overlapped steps; lanes_drain off carries that prefill in
-    lane steps without drafts and runs no plain step. The tokens are the plain engine's in every mode."""
+    such a step can be a verify step). With prefill_first, where prefill leaves no room for drafts a
+    serial engine and lanes_drain (the default) run plain overlapped steps; lanes_drain off carries
+    that prefill in lane steps without drafts and runs no plain step. The tokens are the plain
+    engine's in every mode."""
     rng = random.Random(5)
     reqs = [Request(f"r{i}", rand_prompt(rng, 60 + 7 * i), SamplingParams(max_tokens=6 + 3 * (i % 5), temperature=0.0,
                                                                        ignore_eos=True))
@@ -222,7 +223,8 @@ def test_prefill_beside_verify_steps(tiny_model, mode):
         assert len(steps) < 500, "the engine stopped making progress (a prefill chunk repeated)"
 
     engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": mode.startswith("lanes"),
-                                      "lanes_drain": mode == "lanes-drain", "max_step_tokens": 40},
+                                      "lanes_drain": mode == "lanes-drain", "max_step_tokens": 40,
+                                      "prefill_first": True},
                          drafter=oracle(truth, 0.0, 500), max_num_batched_tokens=48, max_num_seqs=4, on_step=on_step)
     plain_steps, no_room = [], []
     plain_step, has_room = engine._plain_step, engine.speculator.has_room
@@ -230,6 +232,16 @@ def test_prefill_beside_verify_steps(tiny_model, mode):
     def count_plain(*a, **k):
         plain_steps.append(1)
         return plain_step(*a, **k)
+
+    drains: list[bool] = []  # per drain of the lanes: whether a lane had a step in flight
+    if engine._lanes is not None:
+        drain = engine._lanes.drain
+
+        def count_drain(eng):
+            drains.append(engine._lanes.busy)
+            return drain(eng)
+
+        engine._lanes.drain = count_drain
 
     def count_room(eng):
         room = has_room(eng)
@@ -241,16 +253,17 @@ def test_prefill_beside_verify_steps(tiny_model, mode):
     assert any(no_room), "the workload never left a step without room for drafts"
     assert sum(s.spec_accepted for s in steps) > 0
     if mode == "lanes-carry":
-        assert not plain_steps, f"{len(plain_steps)} plain steps: the lanes drained for prefill"
+        assert not any(drains), f"{sum(drains)} drains: the lanes drained for prefill"
         assert any(s.num_prefill_tokens and not s.num_decode_tokens for s in steps), "no lane step carried prefill alone"
     else:
         assert plain_steps, "no plain step while prefill left no room for drafts"
+        assert mode != "lanes-drain" or any(drains), "the lanes never drained"
 
 
 @LANES
 @pytest.mark.parametrize(
     "config",
-    [dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)],
+    [dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)],
 )
 def test_preemption_and_rollback_keep_the_allocator_sound(tiny_model, config, lanes):
     rng = random.Random(3)

@@ -222,12 +222,13 @@ class ModelRunner:
 
     def _mixed_graph_samples(self, tokens: int) -> int:
         """Sampling rows a mixed-step graph gathers for its LM head: max_num_seqs; with speculation
-        whose lane steps carry prefill (speculative.lanes_drain off), every running sequence's k+1
-        verify rows (at most the graph's tokens), so a lane step with a prefill chunk and drafts
-        replays a graph instead of ~19 ms of eager launches (BENCHMARKS.md twentieth session). Every
-        mixed step then runs the LM head over that many rows."""
+        whose steps can verify drafts beside prefill (drafts before prompts, speculative.prefill_first
+        off, or lane steps carrying prefill, lanes_drain off), every running sequence's k+1 verify rows
+        (at most the graph's tokens), so a step with a prefill chunk and drafts replays a graph instead
+        of ~19 ms of eager launches (BENCHMARKS.md twentieth session). Every mixed step then runs the
+        LM head over that many rows."""
         spec, most = self.config.speculative, self.config.max_num_seqs
-        if spec is None or spec.lanes_drain:
+        if spec is None or (spec.prefill_first and spec.lanes_drain):
             return most
         return min(tokens, most * (1 + spec.num_tokens))
 

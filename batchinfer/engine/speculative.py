@@ -29,16 +29,17 @@ emitted tokens are accepted afterwards, as plain decoding does.
 
 Scheduling: drafts sit at the end of token_ids (Sequence.num_draft) while the scheduler plans the
 step, so they count against the token budget and get KV blocks; the scheduler trims drafts it cannot
-fit, a preempted sequence drops them. Drafts come before waiting prompts in the budget (the
-scheduler admits prompts into what is left), so a step that prefills verifies drafts too; with
-`prefill_first` waiting prompts come first instead. docs1000 (1,000 long prompts, a KV-bound
-batch) spends most of its run in steps that prefill; with prompts first most of them verified no
-draft (BENCHMARKS.md, nineteenth session). The n-gram draft length adapts per sequence to its measured
+fit, a preempted sequence drops them. Drafts come before prompts in the budget, waiting prompts and
+running ones still in their chunked prefill alike (the scheduler gives prefill what is left), so a
+step that prefills verifies drafts too; with `prefill_first` prompts come first instead. docs1000
+(1,000 long prompts, a KV-bound batch) spends most of its run in steps that prefill; with prompts
+first most of them verified no draft (BENCHMARKS.md, nineteenth session), and while running prompts
+still counted first a lane holding one drafted nothing (twenty-first session). The n-gram draft length adapts per sequence to its measured
 acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are rarely right, probed
-again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
-without them (it is compute-bound: verifying would cost, not save).
+again now and then), and a step's decodes with their drafts hold at most `max_step_tokens` tokens
+(beyond, the decodes alone make the step compute-bound: verifying would cost, not save).
 Where the running sequences leave no room for a draft (has_room; with prefill_first also while
-waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead, after draining
+prompts fill the budget) the engine runs its ordinary overlapped loop instead, after draining
 the lanes (`lanes_drain`; lane steps carrying that prefill without drafts measured slower, BENCHMARKS.md
 twentieth session). Whether the other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
@@ -92,8 +93,9 @@ Drafter = Callable[[Sequence, int], Seq[int]]
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """engine.speculative: method ngram | grammar | ngram+grammar; num_tokens: most drafts per
-    sequence and step; ngram_sizes: suffix lengths tried, longest first; max_step_tokens: no drafts
-    in a step that already computes this many tokens without them; adaptive: adapt each sequence's
+    sequence and step; ngram_sizes: suffix lengths tried, longest first; max_step_tokens: the most
+    tokens a step's decodes and their drafts may hold (with prefill_first its prefill counts too);
+    adaptive: adapt each sequence's
     n-gram draft length to its acceptance (off: always as many as fit); accept_threshold: with
     adaptive, draft the j-th n-gram token while the estimated chance that it is accepted is at
     least this; probe_interval: steps between one-token probes of a sequence whose n-gram drafts
@@ -102,9 +104,10 @@ class SpeculativeConfig:
     changed little either way, BENCHMARKS.md): every step with room for drafts drafts; lanes: run
     verify steps in two lanes of sequences taking turns (engine/lanes.py); None: on a GPU with
     EngineConfig.overlap (on the CPU the model runs on the host, so no host work would hide);
-    prefill_first: waiting prompts' tokens come before drafts in a step's budget (no drafts while
-    prompts wait to fill it); off (the default): the decoding sequences' drafts come first and the
-    prompts take the rest of the budget, so the steps that prefill verify drafts as well;
+    prefill_first: prompts' tokens (running prompts' remaining prefill, then waiting prompts') come
+    before drafts in a step's budget (no drafts while prompts fill it); off (the default): the
+    decoding sequences' drafts come first and the prompts take the rest of the budget, so the steps
+    that prefill verify drafts as well;
     lanes_drain: with lanes, a step whose running sequences' prefill leaves no room for drafts drains
     both lanes and runs the plain overlapped loop until there is room again (the default); off: lane
     steps carry that prefill, without drafts (measured slower on docs1000: 21.43 s against 19.85 s,
@@ -256,20 +259,26 @@ class Speculator:
     # --- drafting ---------------------------------------------------------------------------
 
     def has_room(self, engine: Any) -> bool:
-        """Whether the next step could verify any draft. Not while the step's token budget is full of
-        prefill (waiting prompts): then a step with drafts is a plain step run serially (engine.py)."""
+        """Whether the next step could verify any draft. Not while the decoding sequences alone fill
+        max_step_tokens, nor, with prefill_first, while prefill fills the step's token budget: then a
+        step with drafts is a plain step run serially (engine.py)."""
         return self._draft_budget(engine) > 0
 
     def _draft_budget(self, engine: Any, lane: int | None = None) -> int:
         """Draft tokens this step (of one lane, or of every running sequence) may verify:
-        max_step_tokens minus what the step computes anyway (its running sequences' tokens, and with
-        prefill_first the waiting prompts' up to the token budget)."""
+        max_step_tokens minus the decoding sequences' tokens; with prefill_first also minus the
+        prompts' (running ones' remaining prefill, then waiting ones', up to the token budget).
+        Without it prompts take what the decodes and drafts leave (Scheduler.schedule places
+        decodes with their drafts before prefill chunks)."""
         sched = engine.scheduler
         most = sched.config.max_num_batched_tokens
-        base = 0  # decodes + prefill tokens of the step without drafts (up to `most`)
+        first = self.config.prefill_first
+        base = 0  # tokens of the step without drafts that come before them (up to `most`)
         for s in engine.scheduler.running_in(lane):
-            base += len(s.token_ids) - s.num_computed_tokens - s.num_draft  # (drafts: a lane's step in flight)
-        if self.config.prefill_first and len(sched.running) < sched.config.max_num_seqs:
+            pending = len(s.token_ids) - s.num_computed_tokens - s.num_draft  # (drafts: a lane's step in flight)
+            if pending == 1 or first:
+                base += pending
+        if first and len(sched.running) < sched.config.max_num_seqs:
             for s in sched.waiting:
                 if base >= most:
                     break

@@ -170,8 +170,8 @@ def run_throughput(
     then the measured run drafts that output with a share oracle_corrupt of draft tokens corrupted
     (bench/oracle.py). spec_gate: speculate only where it measures faster (engine.speculative.gate);
     spec_lanes: engine.speculative.lanes (None: the engine's default, lanes on a GPU).
-    spec_prefill_first: engine.speculative.prefill_first (waiting prompts before drafts in a step's budget).
-    spec_lanes_drain: engine.speculative.lanes_drain (lanes drained for plain steps while prefill leaves no room).
+    spec_prefill_first: engine.speculative.prefill_first (prompts, running then waiting, before drafts in a step's budget).
+    spec_lanes_drain: engine.speculative.lanes_drain (lanes drained for plain steps while there is no room for drafts).
     plain_twin: see measure_workload.
     """
     if data_parallel not in (None, 1):

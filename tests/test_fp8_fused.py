@@ -6,8 +6,9 @@ Triton kernels run in the interpreter here (tests/conftest.py). What is claimed:
 - each fused kernel is bit-identical (FP8 bytes and float32 scales) to the unfused chain it replaces:
   the same kernel's 16-bit output, then kernels/fp8_quant.py (float32 and bfloat16 inputs; several
   tiles a row and a partial last tile for SiLU-and-mul);
-- against the PyTorch reference (kernels/reference.py *_fp8): FP8 bytes bit-identical in float32
-  (scales within the float32 sum's rounding); in bfloat16 the 16-bit intermediates (the residual sum,
+- against the PyTorch reference (kernels/reference.py *_fp8): in float32 scales within the float32
+  sum's rounding, FP8 bytes bit-identical in rows whose scale is identical (elsewhere within one e4m3
+  step: a value on a rounding tie); in bfloat16 the 16-bit intermediates (the residual sum,
   the normed row, silu) may be a bf16 ulp from PyTorch's (the unfused kernels already are: the
   interpreter's casts to bf16), so each value is within one e4m3 step of the reference's and each
   scale within two bf16 ulps (2^-6, relative);
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from batchinfer.kernels import reference
@@ -49,8 +50,13 @@ def _assert_equal(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tens
 
 def _assert_near_reference(got, want, dtype) -> None:
     if dtype == torch.float32:
-        assert torch.equal(_bytes(got[0]), _bytes(want[0]))
         torch.testing.assert_close(got[1], want[1], rtol=4e-7, atol=0)  # the float32 sum's order
+        same = (got[1] == want[1]).squeeze(-1)  # rows whose scale is the reference's to the bit
+        assert torch.equal(_bytes(got[0][same]), _bytes(want[0][same]))
+        # a scale one float32 ulp off moves a value that falls on an e4m3 rounding tie by one step
+        # (found by hypothesis: t=5, d=531, seed=22820 puts -3.54286 / scale at -100.00000967
+        # against -99.99999916, between -96 and -104)
+        assert bool(((_ordinal(got[0][~same]) - _ordinal(want[0][~same])).abs() <= 1).all())
         return
     assert (_ordinal(got[0]) - _ordinal(want[0])).abs().max().item() <= 1
     assert ((got[1] - want[1]).abs() / want[1]).max().item() <= 2.0**-6
@@ -95,6 +101,7 @@ def test_rms_norm_fp8_of_zero_rows_and_its_input_checks():
 @settings(max_examples=12, deadline=None)
 @given(t=st.integers(1, 5), d=st.integers(1, 700), block=st.sampled_from([64, 256, 2048]),
        bf16=st.booleans(), seed=st.integers(0, 2**16))
+@example(t=5, d=531, block=64, bf16=False, seed=22820)  # a value on an e4m3 tie, the scale one ulp off
 def test_silu_and_mul_fp8_is_the_unfused_chain(t, d, block, bf16, seed):
     dtype = torch.bfloat16 if bf16 else torch.float32
     x = (torch.randn(t, 2 * d, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)

@@ -314,13 +314,30 @@ def test_prefix_sharing_hashes_only_emitted_tokens(tiny_model, lanes):
 @given(st.integers(0, 10_000), st.floats(0.0, 0.6), st.booleans())
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_random_workloads_same_tokens(tiny_model, seed, corrupt, lanes):
+    """Random requests, batch limits and budget orders: the tokens are the plain engine's, and every
+    step keeps the scheduler's limits (token budget with drafts counted, max_num_seqs running; both
+    were broken once with lanes and drafts beside prefill)."""
     rng = random.Random(seed)
     reqs = [Request(f"h{i}", rand_prompt(rng, rng.randrange(1, 30)),
                     SamplingParams(max_tokens=rng.randrange(1, 14), temperature=rng.choice([0.0, 0.0, 0.7, 1.0]),
                                    seed=rng.randrange(100), ignore_eos=rng.random() < 0.7))
-            for i in range(rng.randrange(1, 6))]
-    plain, spec, _ = plain_and_oracle(tiny_model, reqs, corrupt, lanes=lanes)
-    assert_same(plain, spec)
+            for i in range(rng.randrange(1, 10))]
+    limits = dict(max_num_seqs=rng.choice([2, 3, 4, 256]), max_num_batched_tokens=rng.choice([16, 24, 64, 2048]))
+    plain = run(make_engine(tiny_model, **limits), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": lanes,
+                                      "prefill_first": rng.random() < 0.3, "lanes_drain": rng.random() < 0.7},
+                         drafter=oracle(truth, corrupt, 500), **limits)
+    sched, schedule = engine.scheduler, engine.scheduler.schedule
+
+    def checked(lane=None):
+        step = schedule() if lane is None else schedule(lane)
+        assert sum(step.num_tokens) == step.total_tokens <= limits["max_num_batched_tokens"]
+        assert sum(1 for q in sched.running if not q.final_pending) <= limits["max_num_seqs"]
+        return step
+
+    sched.schedule = checked
+    assert_same(plain, run(engine, reqs))
 
 
 @pytest.mark.parametrize("backend,method", [("llguidance", "ngram+grammar"), ("xgrammar", "grammar")])

@@ -60,7 +60,8 @@ Sequences that ask for logprobs get no drafts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,7 +74,6 @@ from batchinfer.engine.request import Result
 from batchinfer.engine.sampled_tokens import SampledTokens
 from batchinfer.engine.sequence import Sequence
 from batchinfer.engine.spec_gate import SpecGate
-from batchinfer.structured.bitmask import RowMasks
 from batchinfer.engine.verify import (
     append_emitted,
     generated_before,
@@ -82,6 +82,7 @@ from batchinfer.engine.verify import (
     row_steps,
     settle_drafts,
 )
+from batchinfer.structured.bitmask import RowMasks
 
 SpeculativeMethod = Literal["ngram", "grammar", "ngram+grammar"]
 METHODS = ("ngram", "grammar", "ngram+grammar")
@@ -405,8 +406,7 @@ class Speculator:
         widths = np.fromiter((1 + s.num_draft for s in sampling), dtype=np.int64, count=len(sampling))
         own = self._own_masks(sampling, widths, plans)
         # the other rows' masks fill on the library's threads while the step is packed and launched
-        fill = engine.grammar.start_fill(sampling, [], [], [m is None for m in own]) if any(
-            s.matcher is not None for s in sampling) else None
+        fill = engine.grammar.start_fill(sampling, [], [], [m is None for m in own])
         engine._phase("grammar_fill_start")
         batch = engine.runner.prepare(step.seqs, step.num_tokens, step.samples, sample_widths=widths)
         engine._phase("prepare")

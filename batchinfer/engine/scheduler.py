@@ -195,9 +195,14 @@ class Scheduler:
 
     def _seat_limit(self) -> int:
         """The most running sequences this schedule() may hold: max_num_seqs, or a lane's half of it
-        (lane 0 the larger half, as Lanes splits the running sequences)."""
+        (lane 0 the larger half, as Lanes splits the running sequences) and never more than the
+        other lane leaves of max_num_seqs (plain steps between lane episodes admit into lane 0 up to
+        max_num_seqs, so the other lane may hold more than its half)."""
         lane, most = self._lane, self.config.max_num_seqs
-        return most if lane is None else (most + 1 - lane) // 2
+        if lane is None:
+            return most
+        other = sum(1 for s in self.running if s.lane != lane and not s.final_pending)
+        return min((most + 1 - lane) // 2, most - other)
 
     def _mine(self) -> list[Sequence]:
         """The running sequences this schedule() plans (all, or the lane's)."""
@@ -280,9 +285,6 @@ class Scheduler:
         if self._lane is not None:  # keep the lanes even: this one takes about half of what waits
             other = sum(1 for s in self.running if s.lane != self._lane and not s.final_pending)
             limit = min(limit, active + max(0, -(-(other + len(self.waiting) - active) // 2)))
-            # and never past max_num_seqs in all: the other lane may hold more than its half (plain
-            # steps, between lane episodes, admit into lane 0 up to max_num_seqs)
-            limit = min(limit, self.config.max_num_seqs - other)
         if budget <= 0 or active >= limit:
             return  # nothing can be admitted (a full decode step while prompts wait): skip the block count
         outstanding = sum(max(0, self._reserved_blocks(s) - len(s.block_ids)) for s in self.running)

@@ -225,8 +225,8 @@ class ModelRunner:
         whose steps can verify drafts beside prefill (drafts before prompts, speculative.prefill_first
         off, or lane steps carrying prefill, lanes_drain off), every running sequence's k+1 verify rows
         (at most the graph's tokens), so a step with a prefill chunk and drafts replays a graph instead
-        of ~19 ms of eager launches (BENCHMARKS.md twentieth session). Every mixed step then runs the
-        LM head over that many rows."""
+        of ~19 ms of eager launches (BENCHMARKS.md twentieth session). A graph of T tokens gathers at
+        most T of them (MixedGraphs.args)."""
         spec, most = self.config.speculative, self.config.max_num_seqs
         if spec is None or (spec.prefill_first and spec.lanes_drain):
             return most

@@ -40,8 +40,7 @@ again now and then), and a step's decodes with their drafts hold at most `max_st
 (beyond, the decodes alone make the step compute-bound: verifying would cost, not save).
 Where the running sequences leave no room for a draft (has_room; with prefill_first also while
 prompts fill the budget) the engine runs its ordinary overlapped loop instead, after draining
-the lanes (`lanes_drain`; lane steps carrying that prefill without drafts measured slower, BENCHMARKS.md
-twentieth session). Whether the other steps draft can be measured as well
+the lanes (`lanes_drain`), or lets lane steps carry that prefill without drafts. Whether the other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
 against plain steps; the better one runs, the other is probed now and then.
 Steps with drafts cannot look ahead as plain steps do (engine.py): with EngineConfig.overlap they
@@ -52,7 +51,8 @@ per row (engine/verify.py:
 counters, bans, accepted prefixes, appending; the runner packs the verify rows' sample index with
 the step's inputs, and the sampler's per-sequence parameters are repeated per row, not rebuilt;
 scripts/spec_host_bench.py measures it). On a GPU a step with drafts replays a CUDA graph: a
-mixed-step one where it samples at most max_num_seqs rows, else a verify graph
+mixed-step one where it samples no more rows than those gather (model_runner._mixed_graph_samples:
+k+1 a sequence where drafts can sit beside prefill), else a verify graph
 (engine/cuda_graphs.py VerifyGraphs: every token row may sample, up to max_step_tokens tokens).
 Sequences that ask for logprobs get no drafts.
 """
@@ -109,11 +109,12 @@ class SpeculativeConfig:
     before drafts in a step's budget (no drafts while prompts fill it); off (the default): the
     decoding sequences' drafts come first and the prompts take the rest of the budget, so the steps
     that prefill verify drafts as well;
-    lanes_drain: with lanes, a step whose running sequences' prefill leaves no room for drafts drains
-    both lanes and runs the plain overlapped loop until there is room again (the default); off: lane
-    steps carry that prefill, without drafts (measured slower on docs1000: 21.43 s against 19.85 s,
-    H100, BENCHMARKS.md twentieth session; a lane step with a prefill chunk and drafts runs eagerly,
-    19 ms of host launch, where the plain loop replays a mixed-step graph)."""
+    lanes_drain: with lanes, a step without room for drafts (with prefill_first: prompts filling the
+    budget) drains both lanes and runs the plain overlapped loop until there is room again (the
+    default); off: lane steps carry that prefill, without drafts. docs1000, H100, one call
+    (BENCHMARKS.md twenty-first session, before drafts came first for running prompts): carrying
+    19.03 s against draining 22.47 s, once carrying steps replayed wide mixed graphs (eagerly,
+    19 ms of launch a step, carrying was the slower: 21.43 against 19.85 s)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 

@@ -62,6 +62,21 @@ def assert_same(plain: dict, spec: dict) -> None:
         assert (b.finish_reason, b.text, b.error) == (a.finish_reason, a.text, a.error), rid
 
 
+def check_step_limits(engine: Engine) -> None:
+    """Make every step the engine schedules assert the scheduler's limits: its tokens (drafts counted)
+    within max_num_batched_tokens, no more than max_num_seqs sequences running."""
+    sched, schedule = engine.scheduler, engine.scheduler.schedule
+    budget, seats = sched.config.max_num_batched_tokens, sched.config.max_num_seqs
+
+    def checked(lane=None):
+        step = schedule() if lane is None else schedule(lane)
+        assert sum(step.num_tokens) == step.total_tokens <= budget, (step.num_tokens, step.total_tokens)
+        assert sum(1 for q in sched.running if not q.final_pending) <= seats
+        return step
+
+    sched.schedule = checked
+
+
 def rand_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
@@ -182,18 +197,14 @@ def test_verify_steps_while_prompts_wait(tiny_model, lanes, prefill_first):
     engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": lanes, "prefill_first": prefill_first},
                          drafter=oracle(truth, 0.0, 500), max_num_batched_tokens=40, max_num_seqs=4, on_step=steps.append)
     spec, budgets = engine.speculator, []
-    launch, schedule = spec.launch, engine.scheduler.schedule
+    launch = spec.launch
 
     def launch_verify(eng, lane=None):
         budgets.append((spec._draft_budget(eng, lane), len(eng.scheduler.waiting)))
         return launch(eng, lane)
 
-    def checked_schedule(lane=None):  # drafts count against the token budget: admitted prompts take the rest
-        step = schedule() if lane is None else schedule(lane)
-        assert sum(step.num_tokens) == step.total_tokens <= 40, (step.num_tokens, step.total_tokens)
-        return step
-
-    spec.launch, engine.scheduler.schedule = launch_verify, checked_schedule
+    spec.launch = launch_verify
+    check_step_limits(engine)  # drafts count against the token budget: admitted prompts take the rest
     assert_same(plain, run(engine, reqs))
     assert budgets and all(b > 0 for b, _ in budgets), budgets
     assert any(w == 0 for _, w in budgets)  # verify steps ran once the prompts were in
@@ -328,15 +339,7 @@ def test_random_workloads_same_tokens(tiny_model, seed, corrupt, lanes):
     engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": lanes,
                                       "prefill_first": rng.random() < 0.3, "lanes_drain": rng.random() < 0.7},
                          drafter=oracle(truth, corrupt, 500), **limits)
-    sched, schedule = engine.scheduler, engine.scheduler.schedule
-
-    def checked(lane=None):
-        step = schedule() if lane is None else schedule(lane)
-        assert sum(step.num_tokens) == step.total_tokens <= limits["max_num_batched_tokens"]
-        assert sum(1 for q in sched.running if not q.final_pending) <= limits["max_num_seqs"]
-        return step
-
-    sched.schedule = checked
+    check_step_limits(engine)
     assert_same(plain, run(engine, reqs))
 
 

@@ -333,7 +333,7 @@ def test_random_workloads_same_tokens(tiny_model, seed, corrupt, lanes):
                     SamplingParams(max_tokens=rng.randrange(1, 14), temperature=rng.choice([0.0, 0.0, 0.7, 1.0]),
                                    seed=rng.randrange(100), ignore_eos=rng.random() < 0.7))
             for i in range(rng.randrange(1, 10))]
-    limits = dict(max_num_seqs=rng.choice([2, 3, 4, 256]), max_num_batched_tokens=rng.choice([16, 24, 64, 2048]))
+    limits = {"max_num_seqs": rng.choice([2, 3, 4, 256]), "max_num_batched_tokens": rng.choice([16, 24, 64, 2048])}
     plain = run(make_engine(tiny_model, **limits), reqs)
     truth = {rid: r.output_token_ids for rid, r in plain.items()}
     engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": lanes,

@@ -11,6 +11,7 @@ if [ "${ROUND:-1}" = 1 ]; then
 fi
 run() {  # name need_s bench-args...
   local name=$1 need=$2; shift 2
+  [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return  # ONLY: the names of the benches to run
   [ "$(left)" -ge "$need" ] || { echo "=== $name skipped ($(left) s left)"; return; }
   echo "=== $name${TREE:+ (tree $TREE)}"
   # TREE=.base: an older tree carried in the ignored .base/ (git archive REV | tar -x -C .base), for an A/B

@@ -338,11 +338,13 @@ def test_an_engine_built_after_another_was_closed_gets_as_large_a_kv_cache(tmp_p
 
 @pytest.mark.parametrize("lanes", [False, True], ids=["serial", "lanes"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lanes):
+@pytest.mark.parametrize("prefill_first", [False, True], ids=["drafts-first", "prefill-first"])
+def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lanes, prefill_first):
     """Speculative decoding on the GPU (float32, triton attention, mixed-step graphs on or off, verify
     steps serial or in two lanes, one lane's step queued behind the other's): drafts from a plain run's
     output, 30% corrupted, verified in one forward; greedy and seeded sampling give the plain run's
-    tokens; no KV block leaks."""
+    tokens; no KV block leaks. Verify steps replay graphs: the wide mixed graphs where drafts may sit
+    beside prefill (drafts first), else graphs of their own (prefill first, lanes draining)."""
     from batchinfer.bench.oracle import oracle_drafter
 
     reqs = _requests(24, 500, max_tokens=30, temperature=0.0) + [
@@ -353,15 +355,24 @@ def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lane
     steps: list = []
     engine = Engine(
         EngineConfig(model=str(tiny_model), dtype="float32", device="cuda", attention_backend="triton", max_num_seqs=40,
-                     num_kv_blocks=512, cuda_graphs=graphs, speculative={"num_tokens": 4, "lanes": lanes}),
+                     num_kv_blocks=512, cuda_graphs=graphs,
+                     speculative={"num_tokens": 4, "lanes": lanes, "prefill_first": prefill_first}),
         on_step=steps.append, drafter=oracle_drafter(plain, 0.3, 500),
     )
-    replays: list[int] = []
-    if graphs:  # verify steps of 40 sequences with drafts sample more rows than a mixed graph gathers
-        verify = engine.runner.verify_graphs
-        assert verify is not None
-        real_run = verify.run
-        verify.run = lambda ids, *rest: replays.append(ids.shape[0]) or real_run(ids, *rest)
+    replays: list[int] = []  # rows sampled by graph replays with more rows than sequences: verify steps
+    if graphs:
+        runner = engine.runner
+        assert (runner.verify_graphs is None) == (not prefill_first), "verify graphs captured beside wide mixed graphs"
+        def counted(real):
+            def run(ids, positions, meta, sample_index):
+                if sample_index.shape[0] > 40:
+                    replays.append(sample_index.shape[0])
+                return real(ids, positions, meta, sample_index)
+            return run
+
+        for g in (runner.mixed_graphs, runner.verify_graphs):
+            if g is not None:
+                g.run = counted(g.run)
     spec = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
     assert spec == plain
     assert engine.verify_lanes is lanes

@@ -234,11 +234,14 @@ class ModelRunner:
 
     def _verify_graph_tokens(self) -> int:
         """Largest speculative verify step (tokens) captured as a graph: a step with drafts has at most
-        speculative.max_step_tokens tokens (speculative.py); 0: none (no speculation, or no mixed graphs)."""
-        spec = self.config.speculative
-        if spec is None or not self._mixed_graph_tokens():
+        speculative.max_step_tokens tokens (speculative.py); 0: none (no speculation, no mixed graphs, or
+        mixed graphs wide enough to gather every verify row, which then replay verify steps too)."""
+        spec, tokens = self.config.speculative, self._mixed_graph_tokens()
+        if spec is None or not tokens:
             return 0
-        return min(spec.max_step_tokens, self._mixed_graph_tokens())
+        if self._mixed_graph_samples(tokens) >= min(tokens, self.config.max_num_seqs * (1 + spec.num_tokens)):
+            return 0
+        return min(spec.max_step_tokens, tokens)
 
     def _logits_all(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The body of a decode graph: the model and the LM head over every row."""

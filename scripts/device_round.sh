@@ -33,6 +33,8 @@ if [ "${ROUND:-1}" = 1 ]; then
   run docs1000-plain 45 --workload docs1000 --model qwen3-0.6b
   run docs1000-oracle05-k6 60 $ORACLE
   [ -d .base/batchinfer ] && TREE=.base run docs1000-oracle05-k6-base 60 $ORACLE
+  # grammar drafts where they are rare (random weights): the gate measures plain steps against verify steps
+  run docs1000-json-spec-grammar-gate 80 --workload docs1000-json --model qwen3-0.6b --speculative grammar --spec-gate
   run docs1000-oracle05-k6-carry 60 $ORACLE --spec-lanes-carry-prefill
   run docs1000-json 45 --workload docs1000-json --model qwen3-0.6b
   run nano256-oracle05-k6 35 --workload nano256 --model qwen3-0.6b --speculative oracle --oracle-corrupt 0.05 --spec-tokens 6

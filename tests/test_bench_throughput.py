@@ -52,6 +52,19 @@ def test_step_breakdown_groups_and_floors():
     assert modeled["reads only"]["mean_model_ms"] == 0.0
 
 
+def test_step_breakdown_counts_a_verify_steps_drafts():
+    """A verify step's drafts are tokens of the layers and rows of the LM head; its group is its sequences'."""
+    from dataclasses import replace
+
+    kw = dict(weight_bytes=1000, kv_bytes_per_token=10, block_size=4, flops_per_token=100.0, lm_head_flops=50.0,
+              copy_bytes_per_s=1e6, matmul_flops_per_s=1e7)
+    verify = replace(stats(1, 0, 10, 5, 4.0), num_draft_tokens=190)  # 10 sequences, 190 drafts
+    (g,) = step_breakdown([verify], **kw)
+    assert g["group"] == "decode 1-16 rows" and g["mean_tokens"] == 200
+    # memory (1000 + 5*4*10) / 1e6 = 1.2 ms < compute 200 * (100 + 50) / 1e7 = 3 ms
+    assert g["mean_floor_ms"] == pytest.approx(3.0)
+
+
 def test_compiled_variants_counts_every_kernel_and_reports_only_growth():
     pytest.importorskip("triton")
     from batchinfer.kernels.jit_stats import compiled_since, compiled_variants

@@ -338,11 +338,13 @@ def test_an_engine_built_after_another_was_closed_gets_as_large_a_kv_cache(tmp_p
 
 @pytest.mark.parametrize("lanes", [False, True], ids=["serial", "lanes"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lanes):
+@pytest.mark.parametrize("prefill_first", [False, True], ids=["drafts-first", "prefill-first"])
+def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lanes, prefill_first):
     """Speculative decoding on the GPU (float32, triton attention, mixed-step graphs on or off, verify
     steps serial or in two lanes, one lane's step queued behind the other's): drafts from a plain run's
     output, 30% corrupted, verified in one forward; greedy and seeded sampling give the plain run's
-    tokens; no KV block leaks."""
+    tokens; no KV block leaks. Verify steps replay graphs: the wide mixed graphs where drafts may sit
+    beside prefill (drafts first), else graphs of their own (prefill first, lanes draining)."""
     from batchinfer.bench.oracle import oracle_drafter
 
     reqs = _requests(24, 500, max_tokens=30, temperature=0.0) + [
@@ -353,15 +355,24 @@ def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lane
     steps: list = []
     engine = Engine(
         EngineConfig(model=str(tiny_model), dtype="float32", device="cuda", attention_backend="triton", max_num_seqs=40,
-                     num_kv_blocks=512, cuda_graphs=graphs, speculative={"num_tokens": 4, "lanes": lanes}),
+                     num_kv_blocks=512, cuda_graphs=graphs,
+                     speculative={"num_tokens": 4, "lanes": lanes, "prefill_first": prefill_first}),
         on_step=steps.append, drafter=oracle_drafter(plain, 0.3, 500),
     )
-    replays: list[int] = []
-    if graphs:  # verify steps of 40 sequences with drafts sample more rows than a mixed graph gathers
-        verify = engine.runner.verify_graphs
-        assert verify is not None
-        real_run = verify.run
-        verify.run = lambda ids, *rest: replays.append(ids.shape[0]) or real_run(ids, *rest)
+    replays: list[int] = []  # rows sampled by graph replays with more rows than sequences: verify steps
+    if graphs:
+        runner = engine.runner
+        assert (runner.verify_graphs is None) == (not prefill_first), "verify graphs captured beside wide mixed graphs"
+        def counted(real):
+            def run(ids, positions, meta, sample_index):
+                if sample_index.shape[0] > 40:
+                    replays.append(sample_index.shape[0])
+                return real(ids, positions, meta, sample_index)
+            return run
+
+        for g in (runner.mixed_graphs, runner.verify_graphs):
+            if g is not None:
+                g.run = counted(g.run)
     spec = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
     assert spec == plain
     assert engine.verify_lanes is lanes
@@ -371,6 +382,37 @@ def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lane
     # mostly runs under the other lane's step)
     verify = [s for s in steps if s.spec_verified]
     assert verify and all(s.schedule_ms != s.host_ms for s in verify), [(s.schedule_ms, s.host_ms) for s in verify[:5]]
+    engine.allocator.check()
+    assert engine.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("drain", [False, True], ids=["lanes-carry", "lanes-drain"])
+def test_lane_steps_carrying_prefill_replay_mixed_graphs(tiny_model, drain):
+    """Drafts before prompts (the default) or speculative.lanes_drain off: lane steps carry prefill
+    chunks beside their verify rows. Mixed-step graphs then gather every running sequence's k+1 rows
+    (model_runner._mixed_graph_samples), so such a step replays a graph instead of running eagerly;
+    the tokens stay the plain run's."""
+    from batchinfer.bench.oracle import oracle_drafter
+
+    reqs = _requests(32, 500, max_tokens=30, temperature=0.0)
+    plain = {r.request_id: r.output_token_ids for r in _engine(tiny_model, "float32").generate(reqs)}
+    steps: list = []
+    engine = Engine(
+        EngineConfig(model=str(tiny_model), dtype="float32", device="cuda", attention_backend="triton", max_num_seqs=16,
+                     max_num_batched_tokens=256, num_kv_blocks=512,
+                     speculative={"num_tokens": 4, "lanes": True, "lanes_drain": drain}),
+        on_step=steps.append, drafter=oracle_drafter(plain, 0.3, 500),
+    )
+    mixed = engine.runner.mixed_graphs
+    assert mixed is not None and mixed.max_num_seqs == min(256, 16 * 5)
+    wide: list[int] = []
+    real_run = mixed.run
+    mixed.run = lambda ids, pos, meta, index: (wide.append(index.shape[0]) if index.shape[0] > 16 else None) or real_run(
+        ids, pos, meta, index)
+    spec = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
+    assert spec == plain
+    assert wide, "no lane step with prefill and drafts replayed a mixed graph"
+    assert any(s.num_prefill_tokens and s.spec_verified for s in steps)
     engine.allocator.check()
     assert engine.allocator.num_used == 0
 

@@ -83,6 +83,10 @@ def test_staged_padded_step_gives_the_eager_logits(triton_runner):
     seqs = runner.config.max_num_seqs
     buffers = runner.attention.graph_buffers(300, seqs, runner.max_blocks_per_seq, False, runner.device)
     graphs = MixedGraphs(buffers, 300, seqs, runner.vocab_size, torch.float32, runner.device)
+    # wide: sample rows for every sequence's drafts (model_runner._mixed_graph_samples), more than the
+    # smaller sizes' tokens
+    wide = MixedGraphs(runner.attention.graph_buffers(300, seqs, runner.max_blocks_per_seq, False, runner.device),
+                       300, 300, runner.vocab_size, torch.float32, runner.device)
     # sequences 0..2 are prefilled in step 1; in step 2, 0 and 1 decode, 2 continues its prompt and 3
     # starts one (padded to 256 rows); step 3 (padded to 128) is smaller, so stale rows of step 2
     # sit in the buffers: sample rows past 128 and tiles of sequence 3, whose stale query rows
@@ -106,6 +110,11 @@ def test_staged_padded_step_gives_the_eager_logits(triton_runner):
         padded = runner._logits_at(*graphs.args(t))[: batch.sample_index.shape[0]]
         assert torch.isfinite(padded).all()
         torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4, msg=f"step {i}")
+        assert wide.stage(batch.input_ids, batch.positions, batch.meta, batch.sample_index) == t
+        args = wide.args(t)
+        assert args[3].shape[0] == min(t, 300)  # the LM head gathers no more rows than t tokens can sample
+        torch.testing.assert_close(runner._logits_at(*args)[: batch.sample_index.shape[0]], eager, rtol=1e-4, atol=1e-4,
+                                   msg=f"wide, step {i}")
 
 
 def test_torch_backend_steps_have_no_tile_map(tiny_model):

@@ -152,8 +152,10 @@ def test_random_mix_all_finish_once_no_leak(
 )
 def test_lanes_never_touch_the_other_lane_in_flight(seed, num_blocks, block_size, max_seqs, budget, num_reqs, sharing):
     """Two lanes taking turns (engine/lanes.py): each step is scheduled while the other lane's step is
-    in flight (launched, not yet read). A lane's step holds only its own sequences, admits into it, and
-    never preempts or reallocates the other lane's; every request still finishes once, nothing leaks."""
+    in flight (launched, not yet read), with plain steps of every sequence in between (the engine
+    drains both lanes first). A lane's step holds only its own sequences, admits into it, and never
+    preempts or reallocates the other lane's; no more than max_num_seqs run at once; every request
+    still finishes once, nothing leaks."""
     rng = random.Random(seed)
     sched = build(num_blocks, block_size, max_seqs, budget, sharing=sharing, reserve=0)
     sim = Sim(sched, rng, eos_prob=0.1)
@@ -166,11 +168,20 @@ def test_lanes_never_touch_the_other_lane_in_flight(seed, num_blocks, block_size
     in_flight: list = [None, None]
     lane = 0
     while sched.has_work() or any(in_flight):
+        if rng.random() < 0.2:  # the engine leaves the lanes for a plain step (both lanes read first)
+            for k in (lane, lane ^ 1):
+                if in_flight[k] is not None:
+                    sim.complete(in_flight[k])
+                    in_flight[k] = None
+            sim.step()
+            assert len(sched.running) <= max_seqs, "more sequences running than max_num_seqs"
+            continue
         if in_flight[lane] is not None:
             sim.complete(in_flight[lane])
             in_flight[lane] = None
         others = {id(q): list(q.block_ids) for q in sched.running if q.lane != lane}
         step = sim.launch(lane)
+        assert len(sched.running) <= max_seqs, "more sequences running than max_num_seqs"
         assert all(q.lane == lane for q in step.seqs), "a step held the other lane's sequence"
         assert not any(id(q) in others for q in step.preempted), "the other lane's sequence was preempted"
         assert {id(q): q.block_ids for q in sched.running if id(q) in others} == others, "the other lane's blocks moved"

@@ -62,6 +62,21 @@ def assert_same(plain: dict, spec: dict) -> None:
         assert (b.finish_reason, b.text, b.error) == (a.finish_reason, a.text, a.error), rid
 
 
+def check_step_limits(engine: Engine) -> None:
+    """Make every step the engine schedules assert the scheduler's limits: its tokens (drafts counted)
+    within max_num_batched_tokens, no more than max_num_seqs sequences running."""
+    sched, schedule = engine.scheduler, engine.scheduler.schedule
+    budget, seats = sched.config.max_num_batched_tokens, sched.config.max_num_seqs
+
+    def checked(lane=None):
+        step = schedule() if lane is None else schedule(lane)
+        assert sum(step.num_tokens) == step.total_tokens <= budget, (step.num_tokens, step.total_tokens)
+        assert sum(1 for q in sched.running if not q.final_pending) <= seats
+        return step
+
+    sched.schedule = checked
+
+
 def rand_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
@@ -189,6 +204,7 @@ def test_verify_steps_while_prompts_wait(tiny_model, lanes, prefill_first):
         return launch(eng, lane)
 
     spec.launch = launch_verify
+    check_step_limits(engine)  # drafts count against the token budget: admitted prompts take the rest
     assert_same(plain, run(engine, reqs))
     assert budgets and all(b > 0 for b, _ in budgets), budgets
     assert any(w == 0 for _, w in budgets)  # verify steps ran once the prompts were in
@@ -201,9 +217,10 @@ def test_prefill_beside_verify_steps(tiny_model, mode):
     """Prompts longer than the token budget, admitted beside decoding sequences: some steps hold only
     prefill chunks and sample nothing. A verify step of those once never completed, so the same chunk
     ran forever (lane steps carrying prefill: a lane's draft budget counts its own sequences only, so
-    such a step can be a verify step). Where prefill leaves no room for drafts a serial engine
-    and lanes_drain (the default) run plain overlapped steps; lanes_drain off carries that prefill in
-    lane steps without drafts and runs no plain step. The tokens are the plain engine's in every mode."""
+    such a step can be a verify step). With prefill_first, where prefill leaves no room for drafts a
+    serial engine and lanes_drain (the default) run plain overlapped steps; lanes_drain off carries
+    that prefill in lane steps without drafts and runs no plain step. The tokens are the plain
+    engine's in every mode."""
     rng = random.Random(5)
     reqs = [Request(f"r{i}", rand_prompt(rng, 60 + 7 * i), SamplingParams(max_tokens=6 + 3 * (i % 5), temperature=0.0,
                                                                        ignore_eos=True))
@@ -217,7 +234,8 @@ def test_prefill_beside_verify_steps(tiny_model, mode):
         assert len(steps) < 500, "the engine stopped making progress (a prefill chunk repeated)"
 
     engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": mode.startswith("lanes"),
-                                      "lanes_drain": mode == "lanes-drain", "max_step_tokens": 40},
+                                      "lanes_drain": mode == "lanes-drain", "max_step_tokens": 40,
+                                      "prefill_first": True},
                          drafter=oracle(truth, 0.0, 500), max_num_batched_tokens=48, max_num_seqs=4, on_step=on_step)
     plain_steps, no_room = [], []
     plain_step, has_room = engine._plain_step, engine.speculator.has_room
@@ -225,6 +243,16 @@ def test_prefill_beside_verify_steps(tiny_model, mode):
     def count_plain(*a, **k):
         plain_steps.append(1)
         return plain_step(*a, **k)
+
+    drains: list[bool] = []  # per drain of the lanes: whether a lane had a step in flight
+    if engine._lanes is not None:
+        drain = engine._lanes.drain
+
+        def count_drain(eng):
+            drains.append(engine._lanes.busy)
+            return drain(eng)
+
+        engine._lanes.drain = count_drain
 
     def count_room(eng):
         room = has_room(eng)
@@ -236,16 +264,17 @@ def test_prefill_beside_verify_steps(tiny_model, mode):
     assert any(no_room), "the workload never left a step without room for drafts"
     assert sum(s.spec_accepted for s in steps) > 0
     if mode == "lanes-carry":
-        assert not plain_steps, f"{len(plain_steps)} plain steps: the lanes drained for prefill"
+        assert not any(drains), f"{sum(drains)} drains: the lanes drained for prefill"
         assert any(s.num_prefill_tokens and not s.num_decode_tokens for s in steps), "no lane step carried prefill alone"
     else:
         assert plain_steps, "no plain step while prefill left no room for drafts"
+        assert mode != "lanes-drain" or any(drains), "the lanes never drained"
 
 
 @LANES
 @pytest.mark.parametrize(
     "config",
-    [dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)],
+    [dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)],
 )
 def test_preemption_and_rollback_keep_the_allocator_sound(tiny_model, config, lanes):
     rng = random.Random(3)
@@ -296,13 +325,22 @@ def test_prefix_sharing_hashes_only_emitted_tokens(tiny_model, lanes):
 @given(st.integers(0, 10_000), st.floats(0.0, 0.6), st.booleans())
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_random_workloads_same_tokens(tiny_model, seed, corrupt, lanes):
+    """Random requests, batch limits and budget orders: the tokens are the plain engine's, and every
+    step keeps the scheduler's limits (token budget with drafts counted, max_num_seqs running; both
+    were broken once with lanes and drafts beside prefill)."""
     rng = random.Random(seed)
     reqs = [Request(f"h{i}", rand_prompt(rng, rng.randrange(1, 30)),
                     SamplingParams(max_tokens=rng.randrange(1, 14), temperature=rng.choice([0.0, 0.0, 0.7, 1.0]),
                                    seed=rng.randrange(100), ignore_eos=rng.random() < 0.7))
-            for i in range(rng.randrange(1, 6))]
-    plain, spec, _ = plain_and_oracle(tiny_model, reqs, corrupt, lanes=lanes)
-    assert_same(plain, spec)
+            for i in range(rng.randrange(1, 10))]
+    limits = {"max_num_seqs": rng.choice([2, 3, 4, 256]), "max_num_batched_tokens": rng.choice([16, 24, 64, 2048])}
+    plain = run(make_engine(tiny_model, **limits), reqs)
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "lanes": lanes,
+                                      "prefill_first": rng.random() < 0.3, "lanes_drain": rng.random() < 0.7},
+                         drafter=oracle(truth, corrupt, 500), **limits)
+    check_step_limits(engine)
+    assert_same(plain, run(engine, reqs))
 
 
 @pytest.mark.parametrize("backend,method", [("llguidance", "ngram+grammar"), ("xgrammar", "grammar")])

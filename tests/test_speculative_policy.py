@@ -165,17 +165,26 @@ def test_drafting_comes_back_when_drafts_turn_right(tiny_model, truth):
     assert max(s.spec_accepted for s in late) >= 6  # several sequences back at long drafts
 
 
-def test_no_drafts_in_a_compute_bound_step(tiny_model, truth):
-    """max_step_tokens: a step already computing that many tokens verifies no drafts."""
+@pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill-first", "drafts-first"])
+def test_max_step_tokens_bounds_the_tokens_before_drafts(tiny_model, truth, prefill_first):
+    """max_step_tokens: with prefill_first, a step already computing that many tokens (prefill
+    included) verifies no drafts; drafts first (the default), a step's decodes and drafts stay within
+    it and the prompt's prefill takes the rest of the budget, so steps that prefill a long prompt
+    verify drafts too."""
     steps: list = []
     reqs = requests() + [Request("long", list(range(3, 3 + 120)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))]
     plain = outputs(make_engine(tiny_model, max_num_batched_tokens=64), reqs)
-    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "max_step_tokens": 32}, steps.append,
+    engine = make_engine(tiny_model, {"method": "ngram", "num_tokens": 4, "max_step_tokens": 32,
+                                      "prefill_first": prefill_first}, steps.append,
                          drafter=wrong_then_right(truth, 0), max_num_batched_tokens=64)
     assert outputs(engine, reqs) == plain
     busy = [s for s in steps if s.num_prefill_tokens + s.spec_decode_rows >= 32]
     assert busy, "no step was compute-bound"
-    assert all(s.spec_verified == 0 for s in busy)
+    if prefill_first:
+        assert all(s.spec_verified == 0 for s in busy)
+    else:
+        assert any(s.num_prefill_tokens and s.spec_verified for s in busy), "no step prefilled and verified"
+        assert all(s.num_decode_tokens + s.spec_verified <= 32 for s in steps), "decodes and drafts past max_step_tokens"
     assert sum(s.spec_accepted for s in steps) > 0  # the other steps drafted (right drafts)
 
 

@@ -81,12 +81,14 @@ def throughput(
     ),
     spec_prefill_first: bool = typer.Option(
         False, "--spec-prefill-first/--spec-drafts-first",
-        help="With --speculative: waiting prompts before drafts in a step's token budget (default: drafts first).",
+        help="With --speculative: prompts (running ones' remaining prefill, then waiting ones) before drafts in a "
+             "step's token budget (default: drafts first).",
     ),
     spec_lanes_drain: bool = typer.Option(
         True, "--spec-lanes-drain/--spec-lanes-carry-prefill",
-        help="With --speculative and lanes: drain both lanes for plain steps while prefill leaves no room for drafts "
-             "(the default), or let lane steps carry that prefill without drafts.",
+        help="With --speculative and lanes: drain both lanes for plain steps while there is no room for drafts "
+             "(the default; with --spec-prefill-first, while prefill fills the budget), or let lane steps carry that "
+             "prefill without drafts.",
     ),
     plain_twin: bool = typer.Option(
         False, "--plain-twin/--no-plain-twin",

@@ -170,8 +170,8 @@ def run_throughput(
     then the measured run drafts that output with a share oracle_corrupt of draft tokens corrupted
     (bench/oracle.py). spec_gate: speculate only where it measures faster (engine.speculative.gate);
     spec_lanes: engine.speculative.lanes (None: the engine's default, lanes on a GPU).
-    spec_prefill_first: engine.speculative.prefill_first (waiting prompts before drafts in a step's budget).
-    spec_lanes_drain: engine.speculative.lanes_drain (lanes drained for plain steps while prefill leaves no room).
+    spec_prefill_first: engine.speculative.prefill_first (prompts, running then waiting, before drafts in a step's budget).
+    spec_lanes_drain: engine.speculative.lanes_drain (lanes drained for plain steps while there is no room for drafts).
     plain_twin: see measure_workload.
     """
     if data_parallel not in (None, 1):
@@ -539,7 +539,9 @@ def step_breakdown(
     """
     groups: dict[str, dict] = {}
     for s in steps:
-        rows = s.num_decode_tokens  # tokens of decoding rows (with drafts: more than the rows)
+        # decoding sequences' tokens: one each, plus the drafts a verify step computes (each a token of
+        # the layers and a row of the LM head)
+        rows = s.num_decode_tokens + getattr(s, "num_draft_tokens", 0)
         if not rows and not s.num_prefill_tokens:
             # an iteration that launched nothing, only read steps in flight (the plain loop's last
             # step; lanes drained): its time is the device finishing those steps plus the host's
@@ -548,13 +550,13 @@ def step_breakdown(
         elif s.num_prefill_tokens:
             key = "prefill/mixed"
         else:
-            seqs = getattr(s, "spec_decode_rows", 0) or rows
+            seqs = s.num_decode_tokens
             lo, hi = next(b for b in STEP_BUCKETS if b[0] <= seqs <= b[1])
             key = f"decode {lo}-{hi} rows" if hi < (1 << 30) else f"decode {lo}+ rows"
         g = groups.setdefault(key, {"steps": 0, "ms": 0.0, "max_ms": 0.0, "floor_ms": 0.0, "tokens": 0, "kv_tokens": 0,
                                     "idle_ms": 0.0, "phases": {}, "model_ms": 0.0})
         kv_tokens = s.kv_blocks_used * block_size
-        tokens = s.num_prefill_tokens + s.num_decode_tokens
+        tokens = s.num_prefill_tokens + rows
         mem = (weight_bytes + kv_tokens * kv_bytes_per_token) / copy_bytes_per_s if tokens else 0.0
         comp = tokens * flops_per_token / (layer_flops_per_s or matmul_flops_per_s) + rows * lm_head_flops / matmul_flops_per_s
         g["steps"] += 1

@@ -292,7 +292,8 @@ class MixedGraphs(_LadderGraphs):
     else the host must do in that step (grammar masks) then comes on top. Here the step is one
     replay. Each graph is captured for a padded token count T (mixed_graph_sizes) and runs the model
     over T rows (the attention backend's buffers pad its own launches) and the LM head over
-    max_num_seqs gathered rows into one shared logits buffer. Padded token rows are never sampled.
+    min(T, max_num_seqs) gathered rows (a step of T tokens samples no more) into one shared logits
+    buffer. Padded token rows are never sampled.
 
     buffers: the attention backend's graph buffers for steps of up to max_tokens tokens.
     """
@@ -307,8 +308,10 @@ class MixedGraphs(_LadderGraphs):
         self.logits = torch.empty(max_num_seqs, vocab_size, dtype=dtype, device=device)
 
     def args(self, t: int) -> tuple:
-        """The body's arguments for size t: views of the static buffers."""
-        return (self.input_ids[:t], self.positions[:t], self._metas[t], self.sample_index, self.logits)
+        """The body's arguments for size t: views of the static buffers (the sample rows a step of t
+        tokens can have)."""
+        s = min(t, self.max_num_seqs)
+        return (self.input_ids[:t], self.positions[:t], self._metas[t], self.sample_index[:s], self.logits[:s])
 
     def fits(self, num_tokens: int, meta: AttentionMetadata, num_samples: int) -> bool:
         """Whether a packed step can run as one of these graphs."""
@@ -339,19 +342,16 @@ class MixedGraphs(_LadderGraphs):
 class VerifyGraphs(MixedGraphs):
     """CUDA graphs for speculative verify steps: like MixedGraphs, but every token row may sample
     (a sequence's drafts and the token after them all need logits), so a graph of T tokens runs the
-    LM head over T gathered rows. Mixed graphs gather at most max_num_seqs rows: a verify step of
-    256 sequences with 4 drafts each samples 1,280, and ran eagerly (~30 ms of launches per step on
-    the H200 host for qwen3-0.6b, BENCHMARKS.md). Steps that sample at most max_num_seqs rows still
-    replay the mixed graphs (a smaller LM head).
+    LM head over T gathered rows. Mixed graphs gather at most their max_num_seqs rows: a verify step
+    of 256 sequences with 4 drafts each samples 1,280, and ran eagerly (~30 ms of launches per step on
+    the H200 host for qwen3-0.6b, BENCHMARKS.md). Steps that sample no more than a mixed graph
+    gathers still replay the mixed graphs (model_runner._mixed_graph_samples).
 
     buffers: the attention backend's graph buffers for steps of up to max_tokens tokens.
     """
 
     def __init__(self, buffers: GraphBuffers, max_tokens: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(buffers, max_tokens, max_tokens, vocab_size, dtype, device, sizes=verify_graph_sizes(max_tokens))
-
-    def args(self, t: int) -> tuple:
-        return (self.input_ids[:t], self.positions[:t], self._metas[t], self.sample_index[:t], self.logits[:t])
 
     def fits(self, num_tokens: int, meta: AttentionMetadata, num_samples: int) -> bool:
         return not meta.decode_only and num_tokens <= self.sizes[-1] and self.attention.fits(meta)

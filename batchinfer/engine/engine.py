@@ -339,9 +339,9 @@ class Engine:
         if spec is None:
             return self._plain_step()
         gate = spec.gate
-        # a step whose token budget prefill fills has no room for drafts: serially it would only be a
-        # plain step without the overlap (docs1000 while prompts wait: BENCHMARKS.md); with
-        # SpeculativeConfig.lanes_drain off, lanes in flight carry it as a lane step without drafts
+        # a step without room for drafts (decodes filling max_step_tokens, or with prefill_first prompts
+        # filling the budget) would serially only be a plain step without the overlap (BENCHMARKS.md);
+        # with SpeculativeConfig.lanes_drain off, lanes in flight carry it as a lane step without drafts
         lanes = self._lanes
         if not spec.has_room(self) and (lanes is None or spec.config.lanes_drain or not lanes.busy):
             if gate is not None:
@@ -562,6 +562,7 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_prefill_tokens=step.num_prefill_tokens,
             num_decode_tokens=step.num_decode_tokens,
+            num_draft_tokens=step.num_draft_tokens,
             kv_blocks_used=self.allocator.num_used,
             kv_blocks_free=self.allocator.num_free,
             num_preemptions=len(step.preempted),

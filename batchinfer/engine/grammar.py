@@ -222,20 +222,23 @@ class GrammarState:
         return verdicts
 
     def start_fill(
-        self, sampling: list[Sequence], read: list[tuple[Sequence, int]], verdicts: list[Verdict]
+        self, sampling: list[Sequence], read: list[tuple[Sequence, int]], verdicts: list[Verdict],
+        wanted: list[bool] | None = None,
     ) -> StartedFill | None:
         """Start the masks of the next step's sampling rows whose grammar goes on.
 
         A sequence whose token was just read (`read`, with its `verdicts`) qualifies only if its
         grammar accepted the token and has not ended; rows of sequences that still finish this step
-        (stop string, length) are reset to all-allowed in bitmask(). The matchers must not be
-        touched again until the fill is waited for (bitmask()).
+        (stop string, length) are reset to all-allowed in bitmask(). wanted: per row, whether it
+        needs this fill at all (None: every row). The matchers must not be touched again until the
+        fill is waited for (bitmask()).
         """
         if self._compiler is None:
             return None
         ended = {id(seq) for (seq, _), v in zip(read, verdicts) if v in ("rejected", "terminated")}
         rows = [r for r, s in enumerate(sampling)
-                if s.matcher is not None and s.status is SequenceStatus.RUNNING and id(s) not in ended]
+                if s.matcher is not None and s.status is SequenceStatus.RUNNING and id(s) not in ended
+                and (wanted is None or wanted[r])]
         if not rows:
             return None
         table = self._step_table(len(sampling))

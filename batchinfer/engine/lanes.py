@@ -10,9 +10,10 @@ runs the other lane's step, launched an iteration earlier. Each step holds about
 so the weights are read twice per round; what the host does per sequence is the same.
 
 Outputs are those of the serial steps (a sequence's draws depend on its own tokens and counter, never
-on which sequences share its step). Before a step that is not a verify step (prefill filling the
-budget, or the gate choosing a plain step) the engine drains both lanes; with
-SpeculativeConfig.lanes_drain off, lane steps carry such prefill without drafts instead.
+on which sequences share its step). Before a step that is not a verify step (no room for drafts: with
+SpeculativeConfig.prefill_first, prefill filling the budget; or the gate choosing a plain step) the
+engine drains both lanes; with SpeculativeConfig.lanes_drain off, lane steps carry such prefill
+without drafts instead. Drafts first (the default), lane steps carry prefill beside their drafts.
 """
 
 from __future__ import annotations

@@ -159,7 +159,8 @@ class ModelRunner:
         tokens = self._mixed_graph_tokens()
         if tokens:
             buffers = self.attention.graph_buffers(tokens, config.max_num_seqs, self.max_blocks_per_seq, False, self.device)
-            self.mixed_graphs = MixedGraphs(buffers, tokens, config.max_num_seqs, self.vocab_size, self.info.dtype, self.device)
+            self.mixed_graphs = MixedGraphs(buffers, tokens, self._mixed_graph_samples(tokens), self.vocab_size,
+                                            self.info.dtype, self.device)
             self.mixed_graphs.capture(self._logits_at)
             t = self._span("graph_capture_mixed", t)
         self.verify_graphs: VerifyGraphs | None = None
@@ -219,13 +220,28 @@ class ModelRunner:
             return 0
         return min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
 
+    def _mixed_graph_samples(self, tokens: int) -> int:
+        """Sampling rows a mixed-step graph gathers for its LM head: max_num_seqs; with speculation
+        whose steps can verify drafts beside prefill (drafts before prompts, speculative.prefill_first
+        off, or lane steps carrying prefill, lanes_drain off), every running sequence's k+1 verify rows
+        (at most the graph's tokens), so a step with a prefill chunk and drafts replays a graph instead
+        of ~19 ms of eager launches (BENCHMARKS.md twentieth session). A graph of T tokens gathers at
+        most T of them (MixedGraphs.args)."""
+        spec, most = self.config.speculative, self.config.max_num_seqs
+        if spec is None or (spec.prefill_first and spec.lanes_drain):
+            return most
+        return min(tokens, most * (1 + spec.num_tokens))
+
     def _verify_graph_tokens(self) -> int:
         """Largest speculative verify step (tokens) captured as a graph: a step with drafts has at most
-        speculative.max_step_tokens tokens (speculative.py); 0: none (no speculation, or no mixed graphs)."""
-        spec = self.config.speculative
-        if spec is None or not self._mixed_graph_tokens():
+        speculative.max_step_tokens tokens (speculative.py); 0: none (no speculation, no mixed graphs, or
+        mixed graphs wide enough to gather every verify row, which then replay verify steps too)."""
+        spec, tokens = self.config.speculative, self._mixed_graph_tokens()
+        if spec is None or not tokens:
             return 0
-        return min(spec.max_step_tokens, self._mixed_graph_tokens())
+        if self._mixed_graph_samples(tokens) >= min(tokens, self.config.max_num_seqs * (1 + spec.num_tokens)):
+            return 0
+        return min(spec.max_step_tokens, tokens)
 
     def _logits_all(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The body of a decode graph: the model and the LM head over every row."""

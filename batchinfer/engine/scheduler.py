@@ -57,12 +57,13 @@ class ScheduledStep:
     samples: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0  # one per decoding sequence
+    num_draft_tokens: int = 0  # the drafts those sequences verify (speculative decoding)
     prefill_limited: bool = False  # the prefill policy gave less than the budget left
 
     @property
     def total_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+        return self.num_prefill_tokens + self.num_decode_tokens + self.num_draft_tokens
 
 
 class Scheduler:
@@ -194,9 +195,14 @@ class Scheduler:
 
     def _seat_limit(self) -> int:
         """The most running sequences this schedule() may hold: max_num_seqs, or a lane's half of it
-        (lane 0 the larger half, as Lanes splits the running sequences)."""
+        (lane 0 the larger half, as Lanes splits the running sequences) and never more than the
+        other lane leaves of max_num_seqs (plain steps between lane episodes admit into lane 0 up to
+        max_num_seqs, so the other lane may hold more than its half)."""
         lane, most = self._lane, self.config.max_num_seqs
-        return most if lane is None else (most + 1 - lane) // 2
+        if lane is None:
+            return most
+        other = sum(1 for s in self.running if s.lane != lane and not s.final_pending)
+        return min((most + 1 - lane) // 2, most - other)
 
     def _mine(self) -> list[Sequence]:
         """The running sequences this schedule() plans (all, or the lane's)."""
@@ -218,6 +224,7 @@ class Scheduler:
         step.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
         if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_draft:
             step.num_decode_tokens += 1
+            step.num_draft_tokens += seq.num_draft
         else:
             step.num_prefill_tokens += n
 

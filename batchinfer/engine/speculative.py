@@ -29,18 +29,18 @@ emitted tokens are accepted afterwards, as plain decoding does.
 
 Scheduling: drafts sit at the end of token_ids (Sequence.num_draft) while the scheduler plans the
 step, so they count against the token budget and get KV blocks; the scheduler trims drafts it cannot
-fit, a preempted sequence drops them. Drafts come before waiting prompts in the budget (the
-scheduler admits prompts into what is left), so a step that prefills verifies drafts too; with
-`prefill_first` waiting prompts come first instead. docs1000 (1,000 long prompts, a KV-bound
-batch) spends most of its run in steps that prefill; with prompts first most of them verified no
-draft (BENCHMARKS.md, nineteenth session). The n-gram draft length adapts per sequence to its measured
+fit, a preempted sequence drops them. Drafts come before prompts in the budget, waiting prompts and
+running ones still in their chunked prefill alike (the scheduler gives prefill what is left), so a
+step that prefills verifies drafts too; with `prefill_first` prompts come first instead. docs1000
+(1,000 long prompts, a KV-bound batch) spends most of its run in steps that prefill; with prompts
+first most of them verified no draft (BENCHMARKS.md, nineteenth session), and while running prompts
+still counted first a lane holding one drafted nothing (twenty-first session). The n-gram draft length adapts per sequence to its measured
 acceptance (engine/drafts.py DraftLength: off for a sequence whose drafts are rarely right, probed
-again now and then), and no drafts are made when the step already has `max_step_tokens` tokens
-without them (it is compute-bound: verifying would cost, not save).
+again now and then), and a step's decodes with their drafts hold at most `max_step_tokens` tokens
+(beyond, the decodes alone make the step compute-bound: verifying would cost, not save).
 Where the running sequences leave no room for a draft (has_room; with prefill_first also while
-waiting prompts fill the budget) the engine runs its ordinary overlapped loop instead, after draining
-the lanes (`lanes_drain`; lane steps carrying that prefill without drafts measured slower, BENCHMARKS.md
-twentieth session). Whether the other steps draft can be measured as well
+prompts fill the budget) the engine runs its ordinary overlapped loop instead, after draining
+the lanes (`lanes_drain`), or lets lane steps carry that prefill without drafts. Whether the other steps draft can be measured as well
 (engine/spec_gate.py SpecGate, `gate`): per batch size, the output rate of steps with drafts
 against plain steps; the better one runs, the other is probed now and then.
 Steps with drafts cannot look ahead as plain steps do (engine.py): with EngineConfig.overlap they
@@ -51,7 +51,8 @@ per row (engine/verify.py:
 counters, bans, accepted prefixes, appending; the runner packs the verify rows' sample index with
 the step's inputs, and the sampler's per-sequence parameters are repeated per row, not rebuilt;
 scripts/spec_host_bench.py measures it). On a GPU a step with drafts replays a CUDA graph: a
-mixed-step one where it samples at most max_num_seqs rows, else a verify graph
+mixed-step one where it samples no more rows than those gather (model_runner._mixed_graph_samples:
+k+1 a sequence where drafts can sit beside prefill), else a verify graph
 (engine/cuda_graphs.py VerifyGraphs: every token row may sample, up to max_step_tokens tokens).
 Sequences that ask for logprobs get no drafts.
 """
@@ -59,7 +60,8 @@ Sequences that ask for logprobs get no drafts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -67,6 +69,7 @@ import numpy as np
 import torch
 
 from batchinfer.engine.drafts import DraftLength, ForcedText, match_keys, ngram_draft
+from batchinfer.engine.grammar import StartedFill
 from batchinfer.engine.request import Result
 from batchinfer.engine.sampled_tokens import SampledTokens
 from batchinfer.engine.sequence import Sequence
@@ -79,6 +82,7 @@ from batchinfer.engine.verify import (
     row_steps,
     settle_drafts,
 )
+from batchinfer.structured.bitmask import RowMasks
 
 SpeculativeMethod = Literal["ngram", "grammar", "ngram+grammar"]
 METHODS = ("ngram", "grammar", "ngram+grammar")
@@ -90,8 +94,9 @@ Drafter = Callable[[Sequence, int], Seq[int]]
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """engine.speculative: method ngram | grammar | ngram+grammar; num_tokens: most drafts per
-    sequence and step; ngram_sizes: suffix lengths tried, longest first; max_step_tokens: no drafts
-    in a step that already computes this many tokens without them; adaptive: adapt each sequence's
+    sequence and step; ngram_sizes: suffix lengths tried, longest first; max_step_tokens: the most
+    tokens a step's decodes and their drafts may hold (with prefill_first its prefill counts too);
+    adaptive: adapt each sequence's
     n-gram draft length to its acceptance (off: always as many as fit); accept_threshold: with
     adaptive, draft the j-th n-gram token while the estimated chance that it is accepted is at
     least this; probe_interval: steps between one-token probes of a sequence whose n-gram drafts
@@ -100,14 +105,16 @@ class SpeculativeConfig:
     changed little either way, BENCHMARKS.md): every step with room for drafts drafts; lanes: run
     verify steps in two lanes of sequences taking turns (engine/lanes.py); None: on a GPU with
     EngineConfig.overlap (on the CPU the model runs on the host, so no host work would hide);
-    prefill_first: waiting prompts' tokens come before drafts in a step's budget (no drafts while
-    prompts wait to fill it); off (the default): the decoding sequences' drafts come first and the
-    prompts take the rest of the budget, so the steps that prefill verify drafts as well;
-    lanes_drain: with lanes, a step whose running sequences' prefill leaves no room for drafts drains
-    both lanes and runs the plain overlapped loop until there is room again (the default); off: lane
-    steps carry that prefill, without drafts (measured slower on docs1000: 21.43 s against 19.85 s,
-    H100, BENCHMARKS.md twentieth session; a lane step with a prefill chunk and drafts runs eagerly,
-    19 ms of host launch, where the plain loop replays a mixed-step graph)."""
+    prefill_first: prompts' tokens (running prompts' remaining prefill, then waiting prompts') come
+    before drafts in a step's budget (no drafts while prompts fill it); off (the default): the
+    decoding sequences' drafts come first and the prompts take the rest of the budget, so the steps
+    that prefill verify drafts as well;
+    lanes_drain: with lanes, a step without room for drafts (with prefill_first: prompts filling the
+    budget) drains both lanes and runs the plain overlapped loop until there is room again (the
+    default); off: lane steps carry that prefill, without drafts. docs1000, H100, one call
+    (BENCHMARKS.md twenty-first session, before drafts came first for running prompts): carrying
+    19.03 s against draining 22.47 s, once carrying steps replayed wide mixed graphs (eagerly,
+    19 ms of launch a step, carrying was the slower: 21.43 against 19.85 s)."""
 
     __pydantic_config__ = {"extra": "forbid"}  # the job file's engine.speculative: unknown keys are errors
 
@@ -254,20 +261,26 @@ class Speculator:
     # --- drafting ---------------------------------------------------------------------------
 
     def has_room(self, engine: Any) -> bool:
-        """Whether the next step could verify any draft. Not while the step's token budget is full of
-        prefill (waiting prompts): then a step with drafts is a plain step run serially (engine.py)."""
+        """Whether the next step could verify any draft. Not while the decoding sequences alone fill
+        max_step_tokens, nor, with prefill_first, while prefill fills the step's token budget: then a
+        step with drafts is a plain step run serially (engine.py)."""
         return self._draft_budget(engine) > 0
 
     def _draft_budget(self, engine: Any, lane: int | None = None) -> int:
         """Draft tokens this step (of one lane, or of every running sequence) may verify:
-        max_step_tokens minus what the step computes anyway (its running sequences' tokens, and with
-        prefill_first the waiting prompts' up to the token budget)."""
+        max_step_tokens minus the decoding sequences' tokens; with prefill_first also minus the
+        prompts' (running ones' remaining prefill, then waiting ones', up to the token budget).
+        Without it prompts take what the decodes and drafts leave (Scheduler.schedule places
+        decodes with their drafts before prefill chunks)."""
         sched = engine.scheduler
         most = sched.config.max_num_batched_tokens
-        base = 0  # decodes + prefill tokens of the step without drafts (up to `most`)
+        first = self.config.prefill_first
+        base = 0  # tokens of the step without drafts that come before them (up to `most`)
         for s in engine.scheduler.running_in(lane):
-            base += len(s.token_ids) - s.num_computed_tokens - s.num_draft  # (drafts: a lane's step in flight)
-        if self.config.prefill_first and len(sched.running) < sched.config.max_num_seqs:
+            pending = len(s.token_ids) - s.num_computed_tokens - s.num_draft  # (drafts: a lane's step in flight)
+            if pending == 1 or first:
+                base += pending
+        if first and len(sched.running) < sched.config.max_num_seqs:
             for s in sched.waiting:
                 if base >= most:
                     break
@@ -392,13 +405,17 @@ class Speculator:
                 seq.scheduled = t0
         sampling = [s for s, flag in zip(step.seqs, step.samples) if flag]
         widths = np.fromiter((1 + s.num_draft for s in sampling), dtype=np.int64, count=len(sampling))
+        own = self._own_masks(sampling, widths, plans)
+        # the other rows' masks fill on the library's threads while the step is packed and launched
+        fill = engine.grammar.start_fill(sampling, [], [], [m is None for m in own])
+        engine._phase("grammar_fill_start")
         batch = engine.runner.prepare(step.seqs, step.num_tokens, step.samples, sample_widths=widths)
         engine._phase("prepare")
         before, start = engine._last_end, engine.runner.mark()
         logits = engine._device_call(engine.runner.forward, batch)
         forward_end = engine.runner.mark()
         engine._phase("launch")
-        tokens, sample_start = self._sample(engine, logits, sampling, widths, plans)
+        tokens, sample_start = self._sample(engine, logits, sampling, widths, own, fill)
         marks = None
         if tokens is not None and start is not None:
             marks = (before, start, forward_end, sample_start)
@@ -424,7 +441,7 @@ class Speculator:
         return results
 
     def _sample(self, engine: Any, logits: torch.Tensor, sampling: list[Sequence], widths: np.ndarray,
-                plans: dict[int, _Plan]) -> tuple[SampledTokens | None, Any]:
+                own: list[torch.Tensor | None], fill: StartedFill | None) -> tuple[SampledTokens | None, Any]:
         """Launch the draw of every sampling row (sequence i's widths[i] positions) as plain decoding
         would draw each position: its counter, its min_tokens bans, its grammar mask; the tokens (and
         the logprobs where asked) are copied to the host without waiting (None: no row samples).
@@ -432,7 +449,7 @@ class Speculator:
         first = generated_before(sampling)
         steps = row_steps(first, widths)
         bans = row_bans(sampling, widths, first, engine._bans_at)
-        bitmask = self._bitmask(sampling, widths, plans)
+        bitmask = self._bitmask(engine, sampling, widths, own, fill)
         engine._phase("grammar_mask")
         if not sampling:
             return None, None
@@ -471,18 +488,47 @@ class Speculator:
         rows_seq = [s for s, w in zip(sampling, widths.tolist()) for _ in range(w)]
         return engine.runner.token_logprobs(logits, rows_seq, tokens)
 
-    def _bitmask(self, sampling: list[Sequence], widths: np.ndarray, plans: dict[int, _Plan]) -> torch.Tensor | None:
-        """int32 bitmask of every sampling position (rows of sequences without a grammar all -1)."""
+    @staticmethod
+    def _own_masks(sampling: list[Sequence], widths: np.ndarray, plans: dict[int, _Plan]) -> list[torch.Tensor | None]:
+        """Per sampling row: the masks of its positions when its sequence drafted under a grammar
+        (those its draft was cut with), else None (its one position takes the engine's masks)."""
+        own: list[torch.Tensor | None] = [None] * len(sampling)
+        for i, (seq, width) in enumerate(zip(sampling, widths.tolist())):
+            plan = plans.get(id(seq)) if seq.matcher is not None else None
+            if plan is not None and plan.masks is not None and plan.masks.shape[0] >= width:
+                own[i] = plan.masks[:width]
+        return own
+
+    def _bitmask(self, engine: Any, sampling: list[Sequence], widths: np.ndarray,
+                 own: list[torch.Tensor | None], fill: StartedFill | None) -> RowMasks | None:
+        """The masks of every sampling position (RowMasks; rows of sequences without a grammar
+        all-allowed). A drafted sequence's positions take its `own` masks (_own_masks); the other
+        sequences' one position takes the engine's grammar masks (engine/grammar.py: one per
+        grammar state, kept across steps, filled on the library's threads; `fill`: started before
+        the step was packed), as a plain step's would. Filling those here one row at a time on the
+        loop's thread cost 21 ms of a 29 ms verify step (docs1000-json, ~124 rows, H100,
+        BENCHMARKS.md twentieth session). On a GPU the table and index go to the device from pinned
+        memory, as a plain step's do (with the drafted rows' masks joined in pageable memory,
+        sample_launch took 8.1 ms of a lane's 20 ms step against 1.3 ms in a plain step, H100,
+        twenty-second session)."""
         if not any(s.matcher is not None for s in sampling):
             return None
-        mask = torch.full((int(widths.sum()), self.words), -1, dtype=torch.int32)
-        row = 0
-        for seq, width in zip(sampling, widths.tolist()):
-            if seq.matcher is not None:
-                plan = plans.get(id(seq))
-                if plan is not None and plan.masks is not None and plan.masks.shape[0] >= width:
-                    mask[row : row + width] = plan.masks[:width]
-                else:
-                    seq.matcher.fill_next_token_bitmask(mask, row)
+        width_list = widths.tolist()
+        shared = engine.grammar.bitmask(sampling, [m is None for m in own], fill)
+        base = shared.table if shared is not None else torch.full((1, self.words), -1, dtype=torch.int32)
+        extra = [m for m in own if m is not None]
+        table = torch.cat([base, *extra]) if extra else base
+        index = np.zeros(int(widths.sum()), dtype=np.int64)  # slot 0 of either base: all-allowed
+        row, slot = 0, base.shape[0]
+        for i, width in enumerate(width_list):
+            if own[i] is not None:
+                index[row : row + width] = np.arange(slot, slot + width)
+                slot += width
+            elif shared is not None:
+                index[row] = int(shared.index[i])  # (a sequence with a grammar drafts only with its masks)
             row += width
-        return mask
+        index_t = torch.from_numpy(index)
+        if base.is_pinned():  # (a GPU engine) a copy from pageable memory may wait for the device's queue
+            table = table.pin_memory() if extra else table
+            index_t = index_t.pin_memory()
+        return RowMasks(table, index_t)

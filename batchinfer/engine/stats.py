@@ -14,7 +14,7 @@ class StepStats:
     num_running: int
     num_waiting: int
     num_prefill_tokens: int
-    num_decode_tokens: int
+    num_decode_tokens: int  # one per decoding sequence
     kv_blocks_used: int
     kv_blocks_free: int
     num_preemptions: int  # preemptions during this step
@@ -28,6 +28,7 @@ class StepStats:
     # masks and starting their fill), post (detokenise, stops, finish), grammar_mask (waiting for /
     # filling the next masks), sample_launch
     phases_ms: dict[str, float] = field(default_factory=dict)
+    num_draft_tokens: int = 0  # the drafts the decoding sequences verify (speculative decoding)
     prefill_limited: bool = False  # the prefill policy (slack) held prefill back in this step
     # speculative decoding (engine/speculative.py; all 0 when off): draft tokens proposed, computed by
     # the step (after grammar cuts and the budget), and confirmed by the target; decoding sequences

@@ -65,6 +65,20 @@ def test_step_breakdown_counts_a_verify_steps_drafts():
     assert g["mean_floor_ms"] == pytest.approx(3.0)
 
 
+def test_step_breakdown_reads_a_lane_steps_own_kv():
+    """A step whose sequences cover fewer KV positions than the blocks in use (a lane's step, the
+    other lane's KV untouched) is floored by its own; a plain step keeps the blocks in use."""
+    from dataclasses import replace
+
+    kw = dict(weight_bytes=1000, kv_bytes_per_token=10, block_size=4, flops_per_token=1.0, lm_head_flops=1.0,
+              copy_bytes_per_s=1e6, matmul_flops_per_s=1e9)
+    lane = replace(stats(1, 0, 100, 50, 4.0), num_context_tokens=80)  # blocks in use: 200 positions
+    plain = replace(stats(2, 0, 200, 50, 4.0), num_context_tokens=260)  # a shared prefix, once per sequence
+    groups = {g["group"]: g for g in step_breakdown([lane, plain], **kw)}
+    assert groups["decode 65-128 rows"]["mean_floor_ms"] == pytest.approx((1000 + 80 * 10) / 1e3)
+    assert groups["decode 193+ rows"]["mean_floor_ms"] == pytest.approx((1000 + 200 * 10) / 1e3)
+
+
 def test_compiled_variants_counts_every_kernel_and_reports_only_growth():
     pytest.importorskip("triton")
     from batchinfer.kernels.jit_stats import compiled_since, compiled_variants

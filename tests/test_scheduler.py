@@ -62,6 +62,7 @@ class Sim:
         assert step.total_tokens <= s.config.max_num_batched_tokens
         assert len(s.running) <= s.config.max_num_seqs
         assert sum(step.num_tokens) == step.total_tokens
+        assert step.num_context_tokens == sum(q.num_computed_tokens + n for q, n in zip(step.seqs, step.num_tokens))
         assert len({id(q) for q in step.seqs}) == len(step.seqs)
         assert step.seqs or step.preempted or not s.has_work() or lane is not None, "no progress"  # (a lane may be empty)
         a.check()

@@ -528,10 +528,13 @@ def step_breakdown(
     steps by their number of rows; iterations that only read steps in flight, READS_ONLY), each
     group's wall time against its own per-step floor.
 
-    A step's floor is the larger of (weights + the KV of every block in use) over the copy bandwidth
-    and its tokens' layer FLOPs (at layer_flops_per_s: FP8's with FP8 weights) plus the LM head of its decode rows over the
-    matrix rate; KV in use counts whole blocks, so it slightly
-    overstates the bytes a step must read (the floor is a little generous, never too strict).
+    A step's floor is the larger of (weights + its KV) over the copy bandwidth and its tokens' layer
+    FLOPs (at layer_flops_per_s: FP8's with FP8 weights) plus the LM head of its decode rows (and
+    drafts) over the matrix rate. Its KV is the fewer of every block in use and the positions its
+    sequences' attention covers (StepStats.num_context_tokens): both can only overstate the bytes a
+    step must read (whole blocks; a shared prefix once per sequence), so the floor is a little
+    generous, never too strict. The second matters for a lane's step (speculative decoding), which
+    reads its own lane's KV, not the other's.
 
     step_cost: an engine.step_cost.StepCost; each group then also gets `mean_model_ms`, what that
     model (the prefill policy's: kernels one after another, each bound by its FLOPs or bytes) says
@@ -556,6 +559,8 @@ def step_breakdown(
         g = groups.setdefault(key, {"steps": 0, "ms": 0.0, "max_ms": 0.0, "floor_ms": 0.0, "tokens": 0, "kv_tokens": 0,
                                     "idle_ms": 0.0, "phases": {}, "model_ms": 0.0})
         kv_tokens = s.kv_blocks_used * block_size
+        if getattr(s, "num_context_tokens", 0):
+            kv_tokens = min(kv_tokens, s.num_context_tokens)
         tokens = s.num_prefill_tokens + rows
         mem = (weight_bytes + kv_tokens * kv_bytes_per_token) / copy_bytes_per_s if tokens else 0.0
         comp = tokens * flops_per_token / (layer_flops_per_s or matmul_flops_per_s) + rows * lm_head_flops / matmul_flops_per_s

@@ -563,6 +563,7 @@ class Engine:
             num_prefill_tokens=step.num_prefill_tokens,
             num_decode_tokens=step.num_decode_tokens,
             num_draft_tokens=step.num_draft_tokens,
+            num_context_tokens=step.num_context_tokens,
             kv_blocks_used=self.allocator.num_used,
             kv_blocks_free=self.allocator.num_free,
             num_preemptions=len(step.preempted),

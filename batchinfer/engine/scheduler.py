@@ -59,6 +59,7 @@ class ScheduledStep:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0  # one per decoding sequence
     num_draft_tokens: int = 0  # the drafts those sequences verify (speculative decoding)
+    num_context_tokens: int = 0  # KV positions its attention covers: each sequence's tokens through its last new one
     prefill_limited: bool = False  # the prefill policy gave less than the budget left
 
     @property
@@ -222,6 +223,7 @@ class Scheduler:
         step.seqs.append(seq)
         step.num_tokens.append(n)
         step.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+        step.num_context_tokens += seq.num_computed_tokens + n
         if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_draft:
             step.num_decode_tokens += 1
             step.num_draft_tokens += seq.num_draft

@@ -29,6 +29,9 @@ class StepStats:
     # filling the next masks), sample_launch
     phases_ms: dict[str, float] = field(default_factory=dict)
     num_draft_tokens: int = 0  # the drafts the decoding sequences verify (speculative decoding)
+    # KV positions the step's attention covers (its sequences' tokens through their last new one;
+    # a shared prefix counts once per sequence); 0: not known
+    num_context_tokens: int = 0
     prefill_limited: bool = False  # the prefill policy (slack) held prefill back in this step
     # speculative decoding (engine/speculative.py; all 0 when off): draft tokens proposed, computed by
     # the step (after grammar cuts and the budget), and confirmed by the target; decoding sequences

@@ -51,9 +51,11 @@ per row (engine/verify.py:
 counters, bans, accepted prefixes, appending; the runner packs the verify rows' sample index with
 the step's inputs, and the sampler's per-sequence parameters are repeated per row, not rebuilt;
 scripts/spec_host_bench.py measures it). On a GPU a step with drafts replays a CUDA graph: a
-mixed-step one where it samples no more rows than those gather (model_runner._mixed_graph_samples:
-k+1 a sequence where drafts can sit beside prefill), else a verify graph
-(engine/cuda_graphs.py VerifyGraphs: every token row may sample, up to max_step_tokens tokens).
+mixed-step one, which gathers k+1 rows a sequence where drafts can sit beside prefill (drafts first,
+or lane steps carrying prefill: model_runner._mixed_graph_samples); where they cannot (prefill first
+with lanes draining) the mixed graphs gather one row a sequence and verify steps replay graphs of
+their own (engine/cuda_graphs.py VerifyGraphs: every token row may sample, up to max_step_tokens
+tokens).
 Sequences that ask for logprobs get no drafts.
 """
 

@@ -435,3 +435,52 @@ def test_shared_grammar_masks_give_the_per_row_tokens_on_the_gpu(tiny_model):
         if share:
             assert engine.grammar.rows_copied + engine.grammar.rows_cached > 0
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("lanes", [False, True], ids=["serial", "lanes"])
+@pytest.mark.parametrize("method", ["grammar", "ngram+grammar"])
+def test_speculative_with_a_schema_gives_the_same_tokens(tiny_model, method, lanes):
+    """Speculative decoding under JSON schemas and a regex on the GPU (graphs on): grammar-forced drafts
+    (and oracle drafts in place of n-grams, 30% corrupted) give the plain run's tokens, greedy and
+    seeded; the answers that stop are valid; every verify step's masks reach the device from pinned
+    memory (a copy from pageable memory waits for the device's queue: BENCHMARKS twenty-second session)."""
+    from batchinfer.bench.oracle import oracle_drafter
+    from batchinfer.structured.base import Constraint
+    from batchinfer.structured.bitmask import RowMasks
+    from batchinfer.structured.validate import validate_output
+
+    cs = [Constraint.json_schema({"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                                                   "year": {"type": "integer"},
+                                                                   "kind": {"enum": ["paper", "report", "letter"]}},
+                                  "required": ["name", "year", "kind"]}),
+          Constraint.regex(r"[A-Z]{2}-[0-9]{3}( [a-z]{1,6}){0,3}")]
+    reqs = [Request(f"r{i}", [5 + i, 40, 77, 3 + i % 7], SamplingParams(max_tokens=48, temperature=0.0 if i % 3 else 0.9,
+                                                                         seed=i), cs[i % 2]) for i in range(24)]
+    plain = {r.request_id: r for r in _engine(tiny_model, "float32", max_num_seqs=16).generate(reqs)}
+    truth = {rid: r.output_token_ids for rid, r in plain.items()}
+    steps: list = []
+    engine = Engine(
+        EngineConfig(model=str(tiny_model), dtype="float32", device="cuda", attention_backend="triton", max_num_seqs=16,
+                     num_kv_blocks=512, speculative={"method": method, "num_tokens": 4, "lanes": lanes}),
+        on_step=steps.append, drafter=oracle_drafter(truth, 0.3, 500) if method != "grammar" else None,
+    )
+    pinned: list[bool] = []
+    sample_tokens = engine.runner.sample_tokens
+
+    def checked(logits, sampling, bans=None, bitmask=None, steps=None, widths=None):
+        if isinstance(bitmask, RowMasks) and widths is not None:
+            pinned.append(bitmask.table.is_pinned() and bitmask.index.is_pinned())
+        return sample_tokens(logits, sampling, bans, bitmask, steps, widths)
+
+    engine.runner.sample_tokens = checked
+    spec = {r.request_id: r for r in engine.generate(reqs)}
+    assert {k: v.output_token_ids for k, v in spec.items()} == truth
+    assert sum(s.spec_accepted for s in steps) > 0, "no draft accepted"
+    assert pinned and all(pinned), pinned
+    by_id = {r.request_id: r for r in reqs}
+    stops = [rid for rid, r in spec.items() if r.finish_reason == "stop"]
+    assert stops
+    for rid in stops:
+        assert validate_output(by_id[rid].constraint, spec[rid].text)[1] is None, (rid, spec[rid].text)
+    engine.allocator.check()
+    assert engine.allocator.num_used == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -419,6 +419,7 @@ def test_several_answers_per_row_compare_and_count_as_answers(tmp_path):
 
 @given(st.dictionaries(st.sampled_from(["text", "title", "body"]), st.text(" \n\tabc\u00e9", max_size=700) | st.integers()),
        st.integers(20, 300))
+@example(values={"text": "a" * 20 + " a"}, limit=20)  # a head exactly `limit` long with more after it
 def test_input_excerpt_is_one_short_line(values, limit):
     from batchinfer.job.requests import input_excerpt
 

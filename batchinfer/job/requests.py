@@ -138,7 +138,7 @@ def _head(text: str, limit: int) -> str:
     words, n = [], 0
     for m in _WORD.finditer(text):
         words.append(m.group())
-        n += len(words[-1]) + 1
+        n += len(words[-1]) + (len(words) > 1)  # the joined length (a space between words)
         if n > limit:
             break
     return " ".join(words)

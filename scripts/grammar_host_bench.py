@@ -6,7 +6,7 @@ model with the real Qwen 151k vocabulary and a tiny body (1 layer, hidden 64) ma
 of each CPU step small and keeps the grammar part exactly as large as on the GPU, so
 StepStats.host_ms over decode-only steps measures the host work that matters there.
 
-Run: `python3 scripts/grammar_host_bench.py [--backend llguidance xgrammar] [--requests 320]
+Run: `python3 scripts/grammar_host_bench.py [--backend llguidance xgrammar] [--requests 320] [--speculative grammar]
 [--scale 0.5] [--json out.json] [--share-masks]`. The workload is docs1000-json (make_workload, fixed seed), cut to
 `--requests` requests; with the default scale 0.5 outputs are up to 100 tokens and 256 run at once.
 The output tokens of each backend are printed as a fingerprint (sha256 of all results) so runs
@@ -38,6 +38,7 @@ class BenchConfig:
     max_num_seqs: int = 256
     model_dir: Path = Path(tempfile.gettempdir()) / "batchinfer-grammar-host-bench"
     share_masks: bool = False  # EngineConfig.grammar_share_masks
+    speculative: str | None = None  # EngineConfig.speculative method (grammar: forced drafts), None: off
 
 
 def tiny_qwen_folder(out: Path) -> Path:
@@ -69,7 +70,8 @@ def run_one(cfg: BenchConfig, backend: str) -> dict:
     engine = Engine(
         EngineConfig(model=str(tiny_qwen_folder(cfg.model_dir)), load_format="random", dtype="float32", device="cpu",
                      max_num_seqs=cfg.max_num_seqs, kv_cache_gib=2.0, grammar_backend=backend,
-                     grammar_share_masks=cfg.share_masks),
+                     grammar_share_masks=cfg.share_masks,
+                     speculative={"method": cfg.speculative, "num_tokens": 4} if cfg.speculative else None),
         on_step=on_step,
     )
     box["engine"] = engine
@@ -121,9 +123,10 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=BenchConfig.scale)
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers to this file")
     ap.add_argument("--share-masks", action="store_true", help="one mask per grammar state (grammar_share_masks=True)")
+    ap.add_argument("--speculative", default=None, help="speculative method (e.g. grammar: verify steps with forced drafts)")
     args = ap.parse_args()
     cfg = BenchConfig(backends=tuple(args.backend), requests=args.requests, scale=args.scale,
-                      share_masks=args.share_masks)
+                      share_masks=args.share_masks, speculative=args.speculative)
     rows = []
     for backend in cfg.backends:
         row = run_one(cfg, backend)

@@ -6,7 +6,7 @@ source scripts/device_setup.sh >/dev/null
 t0=$SECONDS; left() { echo $(( ${BUDGET:-540} - (SECONDS - t0) )); }
 if [ "${ROUND:-1}" = 1 ]; then
   # GPU_TESTS: a pytest -k expression for a subset (when device time is short), else the whole GPU suite
-  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ ${GPU_TESTS:+-k "$GPU_TESTS"} > $OUT/gpu-tests.log 2>&1
+  timeout 220 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=12 tests/ ${GPU_TESTS:+-k "$GPU_TESTS"} > $OUT/gpu-tests.log 2>&1
   grep -E "passed|failed|Error" $OUT/gpu-tests.log | tail -6
 fi
 run() {  # name need_s bench-args...

@@ -342,6 +342,11 @@ class GrammarState:
         self._num_steps += 1
         return table.reset(rows)
 
+    @property
+    def pin_memory(self) -> bool:
+        """Whether mask tables go to the device from pinned memory (a GPU engine)."""
+        return self._pin
+
     def close(self) -> None:
         """Stop the compiler's helper thread and drop the buffers and grammars (idempotent)."""
         if self._compiler is not None:

@@ -530,7 +530,7 @@ class Speculator:
                 index[row] = int(shared.index[i])  # (a sequence with a grammar drafts only with its masks)
             row += width
         index_t = torch.from_numpy(index)
-        if engine.runner.device.type == "cuda":  # a copy from pageable memory may wait for the device's queue
+        if engine.grammar.pin_memory:  # a copy from pageable memory may wait for the device's queue
             table = table if table.is_pinned() else table.pin_memory()  # (joined, or every row its own masks)
             index_t = index_t.pin_memory()
         return RowMasks(table, index_t)

@@ -544,7 +544,7 @@ def step_breakdown(
     for s in steps:
         # decoding sequences' tokens: one each, plus the drafts a verify step computes (each a token of
         # the layers and a row of the LM head)
-        rows = s.num_decode_tokens + getattr(s, "num_draft_tokens", 0)
+        rows = s.num_decode_tokens + s.num_draft_tokens
         if not rows and not s.num_prefill_tokens:
             # an iteration that launched nothing, only read steps in flight (the plain loop's last
             # step; lanes drained): its time is the device finishing those steps plus the host's
@@ -559,7 +559,7 @@ def step_breakdown(
         g = groups.setdefault(key, {"steps": 0, "ms": 0.0, "max_ms": 0.0, "floor_ms": 0.0, "tokens": 0, "kv_tokens": 0,
                                     "idle_ms": 0.0, "phases": {}, "model_ms": 0.0})
         kv_tokens = s.kv_blocks_used * block_size
-        if getattr(s, "num_context_tokens", 0):
+        if s.num_context_tokens:  # (0: not known)
             kv_tokens = min(kv_tokens, s.num_context_tokens)
         tokens = s.num_prefill_tokens + rows
         mem = (weight_bytes + kv_tokens * kv_bytes_per_token) / copy_bytes_per_s if tokens else 0.0

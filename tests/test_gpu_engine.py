@@ -36,6 +36,21 @@ def _requests(n: int, vocab: int, max_tokens: int = 24, seed: int = 0, **samplin
     ]
 
 
+def _count_wide_replays(graphs, seqs: int) -> list[int]:
+    """Wrap graphs.run (mixed-step or verify graphs): the list that collects the sampled rows of each
+    replay sampling more rows than `seqs` sequences can without drafts (a verify step's)."""
+    wide: list[int] = []
+    real = graphs.run
+
+    def run(ids, positions, meta, sample_index):
+        if sample_index.shape[0] > seqs:
+            wide.append(sample_index.shape[0])
+        return real(ids, positions, meta, sample_index)
+
+    graphs.run = run
+    return wide
+
+
 def _compare_graph_steps_with_eager(runner, attr: str, uses) -> list[float]:
     """Wrap runner.forward: every step for which uses(batch) holds also runs eagerly (runner.<attr>
     set to None for it) first; returns the list that collects each such step's max relative logit
@@ -359,21 +374,13 @@ def test_speculative_oracle_drafts_give_the_same_tokens(tiny_model, graphs, lane
                      speculative={"num_tokens": 4, "lanes": lanes, "prefill_first": prefill_first}),
         on_step=steps.append, drafter=oracle_drafter(plain, 0.3, 500),
     )
-    replays: list[int] = []  # rows sampled by graph replays with more rows than sequences: verify steps
+    counts: list[list[int]] = []
     if graphs:
         runner = engine.runner
         assert (runner.verify_graphs is None) == (not prefill_first), "verify graphs captured beside wide mixed graphs"
-        def counted(real):
-            def run(ids, positions, meta, sample_index):
-                if sample_index.shape[0] > 40:
-                    replays.append(sample_index.shape[0])
-                return real(ids, positions, meta, sample_index)
-            return run
-
-        for g in (runner.mixed_graphs, runner.verify_graphs):
-            if g is not None:
-                g.run = counted(g.run)
+        counts = [_count_wide_replays(g, 40) for g in (runner.mixed_graphs, runner.verify_graphs) if g is not None]
     spec = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
+    replays = [n for c in counts for n in c]  # rows sampled by graph replays with more rows than sequences: verify steps
     assert spec == plain
     assert engine.verify_lanes is lanes
     assert bool(replays) == graphs, replays
@@ -405,10 +412,7 @@ def test_lane_steps_carrying_prefill_replay_mixed_graphs(tiny_model, drain):
     )
     mixed = engine.runner.mixed_graphs
     assert mixed is not None and mixed.max_num_seqs == min(256, 16 * 5)
-    wide: list[int] = []
-    real_run = mixed.run
-    mixed.run = lambda ids, pos, meta, index: (wide.append(index.shape[0]) if index.shape[0] > 16 else None) or real_run(
-        ids, pos, meta, index)
+    wide = _count_wide_replays(mixed, 16)
     spec = {r.request_id: r.output_token_ids for r in engine.generate(reqs)}
     assert spec == plain
     assert wide, "no lane step with prefill and drafts replayed a mixed graph"

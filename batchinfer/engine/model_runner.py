@@ -227,10 +227,14 @@ class ModelRunner:
         (at most the graph's tokens), so a step with a prefill chunk and drafts replays a graph instead
         of ~19 ms of eager launches (BENCHMARKS.md twentieth session). A graph of T tokens gathers at
         most T of them (MixedGraphs.args)."""
-        spec, most = self.config.speculative, self.config.max_num_seqs
+        spec = self.config.speculative
         if spec is None or (spec.prefill_first and spec.lanes_drain):
-            return most
-        return min(tokens, most * (1 + spec.num_tokens))
+            return self.config.max_num_seqs
+        return self._verify_rows(tokens)
+
+    def _verify_rows(self, tokens: int) -> int:
+        """The most rows a speculative step of `tokens` tokens samples: k+1 per running sequence."""
+        return min(tokens, self.config.max_num_seqs * (1 + self.config.speculative.num_tokens))
 
     def _verify_graph_tokens(self) -> int:
         """Largest speculative verify step (tokens) captured as a graph: a step with drafts has at most
@@ -239,7 +243,7 @@ class ModelRunner:
         spec, tokens = self.config.speculative, self._mixed_graph_tokens()
         if spec is None or not tokens:
             return 0
-        if self._mixed_graph_samples(tokens) >= min(tokens, self.config.max_num_seqs * (1 + spec.num_tokens)):
+        if self._mixed_graph_samples(tokens) >= self._verify_rows(tokens):
             return 0
         return min(spec.max_step_tokens, tokens)
 

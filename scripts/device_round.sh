@@ -19,7 +19,7 @@ run() {  # name need_s bench-args...
   PYTHONPATH=$path timeout "$(left)" bench throughput "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -v -i -E "warn|regex pattern" "$OUT/$name.log" \
-    | grep -E "^elapsed|decode-only|^speculative|oracle drafts|decode 193|decode 97|prefill/mixed|reads only|plain twin|constrained again"
+    | grep -E "^elapsed|decode-only|^speculative|oracle drafts|decode 193|decode 97|decode 65|host ms per step|prefill/mixed|reads only|plain twin|constrained again"
   [ "$rc" = 0 ] || { echo "--- $name exited $rc:"; tail -n 8 "$OUT/$name.log"; }
 }
 if [ "${ROUND:-1}" = 1 ]; then

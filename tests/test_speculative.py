@@ -64,7 +64,9 @@ def assert_same(plain: dict, spec: dict) -> None:
 
 def check_step_limits(engine: Engine) -> None:
     """Make every step the engine schedules assert the scheduler's limits: its tokens (drafts counted)
-    within max_num_batched_tokens, no more than max_num_seqs sequences running."""
+    within max_num_batched_tokens, no more than max_num_seqs sequences running; and, in a step with
+    drafts, every one-token row ahead of the longer ones (the attention backend's decode kernel takes
+    the leading one-token rows)."""
     sched, schedule = engine.scheduler, engine.scheduler.schedule
     budget, seats = sched.config.max_num_batched_tokens, sched.config.max_num_seqs
 
@@ -72,6 +74,9 @@ def check_step_limits(engine: Engine) -> None:
         step = schedule() if lane is None else schedule(lane)
         assert sum(step.num_tokens) == step.total_tokens <= budget, (step.num_tokens, step.total_tokens)
         assert sum(1 for q in sched.running if not q.final_pending) <= seats
+        if step.num_draft_tokens:
+            singles = [n == 1 for n in step.num_tokens]
+            assert singles == sorted(singles, reverse=True), step.num_tokens
         return step
 
     sched.schedule = checked

@@ -25,6 +25,9 @@ sequences of one lane only (Sequence.lane), while the other lane's step may be i
 drafts appended. The sequences it admits join that lane (up to half of max_num_seqs per lane, and
 about half of what waits, so the lanes stay even); only sequences of that lane are preempted (a
 sequence in flight is never touched). `schedule()` plans every running sequence.
+
+A step with drafts puts its one-token rows first (_singles_first), where the attention backend's
+decode kernel takes them; other steps keep running order (decodes already come first).
 """
 
 from __future__ import annotations
@@ -65,6 +68,26 @@ class ScheduledStep:
     @property
     def total_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens + self.num_draft_tokens
+
+
+def _singles_first(step: ScheduledStep) -> None:
+    """Order a step with drafts: one-token rows first, then decodes with their drafts, then prefill
+    chunks, each group in running order. The attention backend gives the step's leading one-token
+    rows to the split-K decode kernel and the rest to the extend kernel, one program per sequence
+    and KV head over its whole context (attention/triton_backend.py); in running order a drafted
+    sequence among undrafted ones cut the leading run short, so grammar drafts, a few sequences a
+    step, sent most of a step's plain decodes to the extend kernel."""
+    def group(i: int) -> int:
+        n, seq = step.num_tokens[i], step.seqs[i]
+        if n == 1:
+            return 0
+        return 1 if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_draft else 2
+
+    order = sorted(range(len(step.seqs)), key=group)
+    if order != list(range(len(order))):
+        step.seqs = [step.seqs[i] for i in order]
+        step.num_tokens = [step.num_tokens[i] for i in order]
+        step.samples = [step.samples[i] for i in order]
 
 
 class Scheduler:
@@ -151,6 +174,8 @@ class Scheduler:
         if not step.preempted:
             room = budget - step.total_tokens
             self._admit(step, min(room, prefill_budget) if step.prefill_limited else room)
+        if step.num_draft_tokens:
+            _singles_first(step)
         return step
 
     def _view(self, budget: int) -> StepView:

@@ -70,6 +70,11 @@ class ScheduledStep:
         return self.num_prefill_tokens + self.num_decode_tokens + self.num_draft_tokens
 
 
+def _decodes(seq: Sequence, n: int) -> bool:
+    """Whether `n` tokens of seq in a step are a decode (its next token and its drafts), not prefill."""
+    return seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_draft
+
+
 def _singles_first(step: ScheduledStep) -> None:
     """Order a step with drafts: one-token rows first, then decodes with their drafts, then prefill
     chunks, each group in running order. The attention backend gives the step's leading one-token
@@ -78,10 +83,8 @@ def _singles_first(step: ScheduledStep) -> None:
     sequence among undrafted ones cut the leading run short, so grammar drafts, a few sequences a
     step, sent most of a step's plain decodes to the extend kernel."""
     def group(i: int) -> int:
-        n, seq = step.num_tokens[i], step.seqs[i]
-        if n == 1:
-            return 0
-        return 1 if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_draft else 2
+        n = step.num_tokens[i]
+        return 0 if n == 1 else 1 if _decodes(step.seqs[i], n) else 2
 
     order = sorted(range(len(step.seqs)), key=group)
     if order != list(range(len(order))):
@@ -249,7 +252,7 @@ class Scheduler:
         step.num_tokens.append(n)
         step.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
         step.num_context_tokens += seq.num_computed_tokens + n
-        if seq.num_computed_tokens >= seq.num_prompt_tokens and n == 1 + seq.num_draft:
+        if _decodes(seq, n):
             step.num_decode_tokens += 1
             step.num_draft_tokens += seq.num_draft
         else:

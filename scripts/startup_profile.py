@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from batchinfer.bench.throughput import _jit_compiled_since, _jit_snapshot, _model_folder
+from batchinfer.bench.profile_window import jit_compiled_since, jit_snapshot
+from batchinfer.bench.throughput import _model_folder
 from batchinfer.engine.config import EngineConfig
 from batchinfer.engine.engine import Engine
 
@@ -46,7 +47,7 @@ def main() -> None:
     cfg = EngineConfig(model=folder, dtype="bfloat16", load_format=load_format)
     cfg = replace(cfg, **{k: _value(v) for k, v in (s.split("=", 1) for s in args.set)})
     for build in range(args.builds):
-        before = _jit_snapshot()
+        before = jit_snapshot()
         prof = cProfile.Profile() if args.profile and build == args.profile_build else None
         t = time.perf_counter()
         if prof is not None:
@@ -57,7 +58,7 @@ def main() -> None:
         total = time.perf_counter() - t
         spans = engine.runner.startup_spans
         parts = ", ".join(f"{name} {end - start:.2f}" for name, start, end in spans)
-        print(f"build {build}: {total:.2f} s: {parts}; blocks {engine.runner.num_blocks}; compiled {_jit_compiled_since(before)}")
+        print(f"build {build}: {total:.2f} s: {parts}; blocks {engine.runner.num_blocks}; compiled {jit_compiled_since(before)}")
         if prof is not None and args.stats_out:
             prof.dump_stats(args.stats_out)
         if prof is not None:

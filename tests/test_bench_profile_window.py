@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from batchinfer.bench.throughput import StepWindowProfiler
+from batchinfer.bench.profile_window import StepWindowProfiler
 
 
 class _FakeProfile:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from batchinfer.bench.throughput import format_report, run_throughput, step_breakdown
+from batchinfer.bench.report_text import format_report
+from batchinfer.bench.step_breakdown import step_breakdown
+from batchinfer.bench.throughput import run_throughput
 from batchinfer.engine.stats import StepStats
 
 
@@ -211,7 +213,7 @@ def test_graph_sizes_captured_mid_run_are_counted_and_reported(tiny_model, tmp_p
     capture inside that run's time; a plain twin run after it on the same engine finds them ready)."""
     from types import SimpleNamespace
 
-    from batchinfer.bench.throughput import graphs_captured_on_use
+    from batchinfer.bench.profile_window import graphs_captured_on_use
 
     runner = SimpleNamespace(graphs=SimpleNamespace(captured_on_use=[256, 64]), mixed_graphs=None,
                              verify_graphs=SimpleNamespace(captured_on_use=[512]))
@@ -228,7 +230,7 @@ def test_decode_only_rate_counts_emitted_tokens_of_verify_steps():
     and steps that only drained the one before none."""
     from dataclasses import replace
 
-    from batchinfer.bench.throughput import decode_only_rate
+    from batchinfer.bench.step_breakdown import decode_only_rate
 
     plain = stats(1, 0, 200, 10, 5.0)
     verify = replace(stats(2, 0, 1000, 10, 10.0), spec_decode_rows=200, spec_emitted=700)

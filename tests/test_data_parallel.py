@@ -194,7 +194,8 @@ def test_unknown_executor_is_a_user_error(tmp_path):
 
 
 def test_bench_aggregate_of_engines_that_ran_together():
-    from batchinfer.bench.throughput import aggregate_data_parallel, format_report
+    from batchinfer.bench.report_text import format_report
+    from batchinfer.bench.throughput import aggregate_data_parallel
 
     def part(out, elapsed, floor_s):
         return {"workload": "w", "description": "d", "model": "m", "device": "cuda", "dtype": "bfloat16", "requests": 10,

@@ -353,7 +353,8 @@ def test_floor_with_fp8_projections_by_hand():
 
 
 def test_bench_throughput_fp8_reports_both_floors(tiny_model, tmp_path):
-    from batchinfer.bench.throughput import format_report, run_throughput
+    from batchinfer.bench.report_text import format_report
+    from batchinfer.bench.throughput import run_throughput
 
     r = run_throughput(str(tiny_model), "nano256", {"quantization": "fp8"}, scale=0.02, cache_dir=tmp_path)
     assert r["errors"] == 0 and r["quantization"] == "fp8" and r["engine"]["quantization"] == "fp8"

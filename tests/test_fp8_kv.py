@@ -221,7 +221,8 @@ def test_job_spec_engine_kv_cache_dtype(tmp_path):
 
 
 def test_bench_throughput_fp8_kv_and_weights(tiny_model, tmp_path):
-    from batchinfer.bench.throughput import format_report, run_throughput
+    from batchinfer.bench.report_text import format_report
+    from batchinfer.bench.throughput import run_throughput
 
     r = run_throughput(str(tiny_model), "nano256", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "kv_cache_scale": "auto"},
                        scale=0.02, cache_dir=tmp_path)

@@ -103,7 +103,8 @@ def throughput(
     import logging
 
     from batchinfer.bench.job_workload import is_job_file
-    from batchinfer.bench.throughput import format_report, run_throughput, write_report
+    from batchinfer.bench.report_text import format_report, write_report
+    from batchinfer.bench.throughput import run_throughput
     from batchinfer.bench.workloads import WORKLOADS
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -2,7 +2,7 @@
 one process: the ceilings measured once, one engine per shape (built once, every workload measured
 on it), and per shape x workload the output rate, the share of the roofline floor and each step
 kind (decode-only steps by their rows, prefill/mixed) against its own per-step floor
-(throughput.step_breakdown). The markdown table is the one BENCHMARKS.md keeps.
+(step_breakdown.step_breakdown). The markdown table is the one BENCHMARKS.md keeps.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import torch
 
 from batchinfer.bench.roofline import measure_ceilings
 from batchinfer.bench.shapes import SHAPES
-from batchinfer.bench.throughput import READS_ONLY, STEP_BUCKETS, BenchEngine, bench_engine_config, measure_workload
+from batchinfer.bench.step_breakdown import READS_ONLY, STEP_BUCKETS
+from batchinfer.bench.throughput import BenchEngine, bench_engine_config, measure_workload
 
-# The step kinds of the table, in order (throughput.step_breakdown's group names).
+# The step kinds of the table, in order (step_breakdown.step_breakdown's group names).
 STEP_KINDS = tuple(f"decode {lo}-{hi} rows" if hi < (1 << 30) else f"decode {lo}+ rows" for lo, hi in STEP_BUCKETS) + (
     "prefill/mixed", READS_ONLY,
 )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -16,11 +15,25 @@ from pathlib import Path
 import torch
 
 from batchinfer.bench.job_workload import is_job_file, job_workload
+from batchinfer.bench.profile_window import (
+    PROFILE_DECODE_ENV,
+    PROFILE_ENV,
+    PROFILE_START_ENV,
+    PROFILE_STEPS_ENV,
+    StepWindowProfiler,
+    graphs_captured_on_use,
+    jit_compiled_since,
+    jit_snapshot,
+)
 from batchinfer.bench.roofline import measure_ceilings, workload_floor
 from batchinfer.bench.shapes import SHAPES, write_shape
+from batchinfer.bench.step_breakdown import (
+    decode_only_rate,
+    spec_summary,
+    step_breakdown,
+)
 from batchinfer.bench.workloads import make_workload
 from batchinfer.engine.config import EngineConfig
-from batchinfer.engine.kv_calibration import describe as describe_kv_scales
 from batchinfer.engine.step_cost import StepCost
 from batchinfer.io.model_files import kv_bytes_per_token
 from batchinfer.models.loader import load_model_info
@@ -35,93 +48,14 @@ def _model_folder(model: str, cache_dir: Path) -> tuple[str, str]:
     return model, "safetensors"
 
 
-PROFILE_ENV = "BATCHINFER_PROFILE_DIR"  # a folder: profile a window of steps into it
-PROFILE_START_ENV = "BATCHINFER_PROFILE_START"  # steps of the measured run before the window
-PROFILE_STEPS_ENV = "BATCHINFER_PROFILE_STEPS"  # steps in the window (default 5)
-# with it, the window opens at the first decode-only step of at least this many rows after those steps
-PROFILE_DECODE_ENV = "BATCHINFER_PROFILE_DECODE_ROWS"
 
 
-class StepWindowProfiler:
-    """A torch profiler over `num_steps` engine steps after `start_step` steps of the measured run.
-
-    Writes a chrome trace and two text tables (top ops by CUDA time and by CPU time) to `out_dir`
-    and prints the CUDA table's head: where a step's time goes, on the device and on the host.
-    """
-
-    def __init__(self, out_dir: Path, start_step: int = 60, num_steps: int = 5, decode_rows: int | None = None) -> None:
-        """decode_rows: open the window at the first step from start_step on that is decode-only with
-        at least this many rows (a decode stretch's steps, not the mixed steps before it)."""
-        self.out_dir, self.start_step, self.num_steps = out_dir, start_step, num_steps
-        self.decode_rows = decode_rows
-        self.seen = 0
-        self.opened_at = 0  # the step after which the window opened
-        self.prof: torch.profiler.profile | None = None
-        self.done = False
-
-    def _opens(self, stats) -> bool:
-        if self.decode_rows is None:
-            return self.seen == self.start_step
-        return (self.seen >= self.start_step and stats.num_prefill_tokens == 0
-                and stats.num_decode_tokens >= self.decode_rows)
-
-    def on_step(self, stats) -> None:
-        self.seen += 1
-        if self.done:
-            return
-        if self.prof is None and self._opens(stats):
-            self.opened_at = self.seen
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts, record_shapes=False)
-            self.prof.start()
-        elif self.prof is not None and self.seen >= self.opened_at + self.num_steps:
-            self.finish()
-
-    def finish(self) -> None:
-        if self.prof is None or self.done:
-            return
-        self.done = True
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.prof.stop()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.prof.export_chrome_trace(str(self.out_dir / "trace.json"))
-        avg = self.prof.key_averages()
-        tables = {}
-        for key in ("cuda_time_total", "cpu_time_total", "self_cpu_time_total"):
-            try:
-                tables[key] = avg.table(sort_by=key, row_limit=30)
-            except Exception as exc:  # no CUDA activity on a CPU run
-                tables[key] = f"({key}: {exc})"
-            (self.out_dir / f"top-{key}.txt").write_text(tables[key] + "\n", encoding="utf-8")
-        print(f"profile of {self.num_steps} steps after step {self.opened_at}:")
-        print(tables["cuda_time_total"])
-        print(tables["self_cpu_time_total"])
 
 
-def _jit_snapshot() -> dict | None:
-    try:
-        from batchinfer.kernels.jit_stats import compiled_variants
-
-        return compiled_variants()
-    except ImportError:  # no triton (CPU-only install)
-        return None
 
 
-def graphs_captured_on_use(runner) -> int:
-    """How many CUDA graph sizes (decode, mixed, verify) the runner has captured on first use, mid-run
-    (engine/cuda_graphs.py; each costs a capture, ~25-70 ms on an H100/H200 host, in the step that meets it)."""
-    return sum(len(g.captured_on_use) for g in (runner.graphs, runner.mixed_graphs, runner.verify_graphs) if g is not None)
 
 
-def _jit_compiled_since(before: dict | None) -> dict | None:
-    if before is None:
-        return None
-    from batchinfer.kernels.jit_stats import compiled_since
-
-    return compiled_since(before)
 
 
 def load_workload(name: str, tokenizer, vocab_size: int, max_model_len: int, scale: float = 1.0, seed: int = 0,
@@ -274,7 +208,7 @@ def measure_workload(
             decode_rows=int(os.environ[PROFILE_DECODE_ENV]) if os.environ.get(PROFILE_DECODE_ENV) else None,
         )
 
-    jit_before = _jit_snapshot()
+    jit_before = jit_snapshot()
     if before_measure is not None:
         before_measure()
     grammar0 = _grammar_counts(engine)
@@ -282,7 +216,7 @@ def measure_workload(
     if profiler is not None:
         profiler.finish()
         bench.profiler = None
-    compiled = _jit_compiled_since(jit_before)
+    compiled = jit_compiled_since(jit_before)
 
     ok = [r for r in results if r.finish_reason != "error"]
     prompt_lens = [r.prompt_tokens for r in ok]
@@ -473,238 +407,16 @@ def _gate_summary(engine) -> dict | None:
     return {"steps": dict(gate.steps), "tokens_per_s": {str(k): v for k, v in gate.rates().items()}}
 
 
-def spec_summary(steps) -> dict:
-    """Speculative decoding totals over the measured steps (StepStats spec_*)."""
-    keys = ("drafted", "verified", "accepted", "rows", "decode_rows", "emitted")
-    tot = {k: sum(getattr(s, f"spec_{k}", 0) for s in steps) for k in keys}
-    tot["acceptance"] = tot["accepted"] / tot["verified"] if tot["verified"] else None
-    tot["mean_accepted_per_seq_step"] = tot["accepted"] / tot["rows"] if tot["rows"] else None
-    tot["tokens_per_seq_per_forward"] = tot["emitted"] / tot["decode_rows"] if tot["decode_rows"] else None
-    parts = ("drafted", "verified", "accepted")
-    forced = {k: sum(getattr(s, f"spec_forced_{k}", 0) for s in steps) for k in parts}
-    text = {k: sum(getattr(s, f"spec_text_{k}", 0) for s in steps) for k in parts}
-    other = {k: tot[k] - forced[k] - text[k] for k in parts}
-    tot["sources"] = {}
-    # forced: the grammar's forced tokens; text: the forced text's tokens after them; ngram: n-gram
-    # lookup or the bench's drafter (oracle) (engine/drafts.py)
-    for name, c in (("forced", forced), ("text", text), ("ngram", other)):
-        tot["sources"][name] = {**c, "acceptance": c["accepted"] / c["verified"] if c["verified"] else None,
-                                "accepted_per_decode_row": c["accepted"] / tot["decode_rows"] if tot["decode_rows"] else None}
-    return tot
 
 
-def decode_only_rate(steps) -> dict | None:
-    """Output tokens per second of the decode-only steps (no prefill token): how issue 15 measures
-    speculation. A verify step emits its spec_emitted tokens, a plain one a token per decoding row;
-    the seconds are the steps' loop time (with overlap a step's tokens are read in the next one, which
-    evens out over a run). None without such steps."""
-    steps = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0]
-    if not steps:
-        return None
-    tokens = sum(s.spec_emitted if s.spec_decode_rows else s.num_decode_tokens for s in steps)
-    seconds = sum(s.step_ms for s in steps) / 1e3
-    return {"steps": len(steps), "output_tokens": tokens, "seconds": seconds,
-            "output_tokens_per_s": tokens / seconds if seconds > 0 else None}
 
 
-STEP_BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 192), (193, 1 << 30))
-READS_ONLY = "reads only"  # step_breakdown's group of iterations that launched no step
 
 
-def step_breakdown(
-    steps,
-    *,
-    weight_bytes: int,
-    kv_bytes_per_token: int,
-    block_size: int,
-    flops_per_token: float,
-    lm_head_flops: float,
-    copy_bytes_per_s: float,
-    matmul_flops_per_s: float,
-    layer_flops_per_s: float | None = None,
-    step_cost=None,
-) -> list[dict]:
-    """Where the measured time went: steps grouped by kind (steps with prefill tokens; decode-only
-    steps by their number of rows; iterations that only read steps in flight, READS_ONLY), each
-    group's wall time against its own per-step floor.
-
-    A step's floor is the larger of (weights + its KV) over the copy bandwidth and its tokens' layer
-    FLOPs (at layer_flops_per_s: FP8's with FP8 weights) plus the LM head of its decode rows (and
-    drafts) over the matrix rate. Its KV is the fewer of every block in use and the positions its
-    sequences' attention covers (StepStats.num_context_tokens): both can only overstate the bytes a
-    step must read (whole blocks; a shared prefix once per sequence), so the floor is a little
-    generous, never too strict. The second matters for a lane's step (speculative decoding), which
-    reads its own lane's KV, not the other's.
-
-    step_cost: an engine.step_cost.StepCost; each group then also gets `mean_model_ms`, what that
-    model (the prefill policy's: kernels one after another, each bound by its FLOPs or bytes) says
-    its steps take, with the KV in use as the decode rows' context and prefill chunks as new tokens.
-    """
-    groups: dict[str, dict] = {}
-    for s in steps:
-        # decoding sequences' tokens: one each, plus the drafts a verify step computes (each a token of
-        # the layers and a row of the LM head)
-        rows = s.num_decode_tokens + s.num_draft_tokens
-        if not rows and not s.num_prefill_tokens:
-            # an iteration that launched nothing, only read steps in flight (the plain loop's last
-            # step; lanes drained): its time is the device finishing those steps plus the host's
-            # reading, so it has no floor of its own but belongs in the run's time
-            key = READS_ONLY
-        elif s.num_prefill_tokens:
-            key = "prefill/mixed"
-        else:
-            seqs = s.num_decode_tokens
-            lo, hi = next(b for b in STEP_BUCKETS if b[0] <= seqs <= b[1])
-            key = f"decode {lo}-{hi} rows" if hi < (1 << 30) else f"decode {lo}+ rows"
-        g = groups.setdefault(key, {"steps": 0, "ms": 0.0, "max_ms": 0.0, "floor_ms": 0.0, "tokens": 0, "kv_tokens": 0,
-                                    "idle_ms": 0.0, "phases": {}, "model_ms": 0.0})
-        kv_tokens = s.kv_blocks_used * block_size
-        if s.num_context_tokens:  # (0: not known)
-            kv_tokens = min(kv_tokens, s.num_context_tokens)
-        tokens = s.num_prefill_tokens + rows
-        mem = (weight_bytes + kv_tokens * kv_bytes_per_token) / copy_bytes_per_s if tokens else 0.0
-        comp = tokens * flops_per_token / (layer_flops_per_s or matmul_flops_per_s) + rows * lm_head_flops / matmul_flops_per_s
-        g["steps"] += 1
-        g["ms"] += s.step_ms
-        g["max_ms"] = max(g["max_ms"], s.step_ms)
-        g["idle_ms"] += s.schedule_ms
-        for name, ms in getattr(s, "phases_ms", {}).items():
-            g["phases"][name] = g["phases"].get(name, 0.0) + ms
-        g["floor_ms"] += 1e3 * max(mem, comp)
-        if step_cost is not None and tokens:
-            g["model_ms"] += 1e3 * step_cost.seconds(rows, kv_tokens if rows else 0, s.num_prefill_tokens)
-        g["tokens"] += tokens
-        g["kv_tokens"] += kv_tokens
-    total = sum(g["ms"] for g in groups.values()) or 1.0
-    out = []
-    for key, g in sorted(groups.items()):
-        n = g["steps"]
-        out.append({
-            "group": key, "steps": n, "time_s": g["ms"] / 1e3, "share": g["ms"] / total,
-            "mean_step_ms": g["ms"] / n, "max_step_ms": g["max_ms"], "mean_floor_ms": g["floor_ms"] / n,
-            "fraction_of_floor": g["floor_ms"] / g["ms"] if g["ms"] and key != READS_ONLY else None,
-            "mean_tokens": g["tokens"] / n, "mean_kv_tokens": g["kv_tokens"] / n,
-            "mean_device_idle_ms": g["idle_ms"] / n,
-            "mean_model_ms": g["model_ms"] / n if step_cost is not None else None,
-            "mean_host_phases_ms": {k: v / n for k, v in g["phases"].items()},
-        })
-    return out
 
 
-def format_report(r: dict) -> str:
-    f = r["floor"]
-    lines = [
-        f"workload {r['workload']} ({r['description']})",
-        f"model {r['model']} on {r['device']} ({r['dtype']}"
-        + (f", {r['quantization']} weights" if r.get("quantization", "none") != "none" else "")
-        + (f", {r['kv_cache_dtype']} KV cache" if r.get("kv_cache_dtype", "auto") != "auto" else "")
-        + f"); {r['requests']} requests, {r['errors']} errors",
-        *([f"KV scales calibrated: {describe_kv_scales(r['kv_scales'])}"] if r.get("kv_scales") else []),
-        f"elapsed {r['elapsed_s']:.2f} s: {r['requests_per_s']:.2f} req/s, "
-        f"{r['output_tokens_per_s']:,.0f} output tok/s, {r['total_tokens_per_s']:,.0f} total tok/s",
-        f"ceilings: copy {r['ceilings']['copy_GBps']:,.0f} GB/s, matmul {r['ceilings']['matmul_TFLOPs']:,.1f} TFLOP/s",
-        f"roofline floor {f['floor_s']:.2f} s ({f['bound']}-bound: compute {f['compute_s']:.2f} s, memory {f['memory_s']:.2f} s; "
-        f"concurrency {f['concurrency']}, min steps {f['min_steps']}) = {r['floor_output_tokens_per_s']:,.0f} output tok/s",
-        f"achieved / floor: {100 * r['fraction_of_roofline']:.1f}% of the roofline",
-    ]
-    if (r.get("quantization", "none") != "none" or r.get("kv_cache_dtype", "auto") != "auto") and r.get("floors"):
-        c = r["ceilings"].get("fp8_matmul_TFLOPs")
-        for key, label in (("bf16", "16-bit floor (16-bit weights, KV and matrix rate)"),
-                           ("fp8", "FP8 floor (FP8 weights and KV bytes, FP8 matrix rate "
-                                   f"{f'{c:,.1f} TFLOP/s' if c else 'n/a: the 16-bit rate'})")):
-            fl = r["floors"][key]
-            lines.append(f"  vs {label}: {fl['floor_s']:.2f} s ({fl['bound']}-bound) = {fl['output_tokens_per_s']:,.0f} output tok/s; "
-                         f"achieved {100 * fl['fraction']:.1f}%")
-    if r.get("prefill_policy", "budget") != "budget":
-        lines.append(f"prefill policy {r['prefill_policy']}: held prefill back in {r['prefill_limited_steps']:,} of {r['steps']:,} steps")
-    if r.get("cpu_share_of_step") is not None:
-        lines.append(
-            f"steps {r['steps']} (decode-only {r['decode_steps']}), mean step {r['step_ms_mean']:.2f} ms, "
-            f"CPU scheduling {r['cpu_schedule_ms_mean']:.3f} ms = {100 * r['cpu_share_of_step']:.1f}% of step time"
-        )
-    do = r.get("decode_only")
-    if do and do["output_tokens_per_s"]:
-        lines.append(f"decode-only steps: {do['steps']:,}, {do['output_tokens']:,} output tokens in {do['seconds']:.2f} s = "
-                     f"{do['output_tokens_per_s']:,.0f} output tok/s")
-    sp = r.get("speculative")
-    if sp:
-        fmt = lambda x, p="": "n/a" if x is None else f"{x:.2f}{p}"  # noqa: E731
-        lines.append(
-            f"speculative: drafted {sp['drafted']:,}, verified {sp['verified']:,}, accepted {sp['accepted']:,} "
-            f"(acceptance {fmt(sp['acceptance'])}); mean accepted per sequence-step {fmt(sp['mean_accepted_per_seq_step'])}; "
-            f"tokens per sequence per forward {fmt(sp['tokens_per_seq_per_forward'])}"
-            + {True: "; verify steps in two lanes", False: "; verify steps serial"}.get(sp.get("lanes"), "")
-            + (f"; oracle corrupt {r['oracle_corrupt']}" if r.get("oracle_corrupt") is not None else "")
-        )
-        gate = r.get("speculation_gate")
-        if gate:
-            rates = "; ".join(
-                f"{rows}+ seqs: " + ", ".join(f"{m} {'n/a' if v is None else f'{v:,.0f}'}" for m, v in modes.items())
-                for rows, modes in gate["tokens_per_s"].items()
-            )
-            lines.append(f"speculation gate: {gate['steps']['speculate']:,} steps with drafts, {gate['steps']['plain']:,} plain"
-                         f" (tokens/s by running sequences: {rates})")
-        for name, c in (sp.get("sources") or {}).items():
-            label = {"forced": "grammar-forced", "text": "grammar-text"}.get(name, name)
-            if name == "ngram" and r.get("oracle_corrupt") is not None:
-                label = "oracle"
-            lines.append(
-                f"  {label:>14} drafts: drafted {c['drafted']:,}, verified {c['verified']:,}, accepted {c['accepted']:,} "
-                f"(acceptance {fmt(c['acceptance'])}); accepted tokens per sequence per forward {fmt(c['accepted_per_decode_row'])}"
-            )
-    if r.get("graphs_captured_during_run"):
-        lines.append(f"CUDA graph sizes captured on first use during the measured run: {r['graphs_captured_during_run']}"
-                     + (" (the plain twin, run after it on the same engine, found them ready)" if r.get("plain_twin") else ""))
-    if r.get("kernels_compiled_during_run"):
-        lines.append("Triton kernels compiled during the measured run (each costs ~1 s): "
-                     + ", ".join(f"{k} x{n}" for k, n in r["kernels_compiled_during_run"].items()))
-    for g in r.get("step_breakdown") or []:
-        lines.append(
-            f"  {g['group']:>20}: {g['steps']:5d} steps, {g['time_s']:6.2f} s ({100 * g['share']:4.1f}%), "
-            f"step {g['mean_step_ms']:7.2f} ms (max {g['max_step_ms']:7.2f}) vs floor {g['mean_floor_ms']:7.2f} ms "
-            f"({100 * (g['fraction_of_floor'] or 0):4.1f}%), {g['mean_tokens']:6.0f} tokens, {g['mean_kv_tokens']:8.0f} KV tokens"
-            + (f", step cost model {g['mean_model_ms']:7.2f} ms" if g.get("mean_model_ms") is not None else "")
-        )
-    groups = r.get("step_breakdown") or []
-    if groups:
-        big = max(groups, key=lambda g: g["share"])
-        phases = ", ".join(f"{k} {v:.2f}" for k, v in big.get("mean_host_phases_ms", {}).items())
-        lines.append(f"  host ms per step in '{big['group']}' (device idle {big.get('mean_device_idle_ms', 0):.2f}): {phases}")
-        full = next((g for g in groups if g["group"] == "decode 193+ rows"), None)
-        if full is not None and full is not big:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in full.get("mean_host_phases_ms", {}).items())
-            lines.append(f"  host ms per step in '{full['group']}' (device idle {full.get('mean_device_idle_ms', 0):.2f}): {phases}")
-    tw = r.get("plain_twin")
-    if tw:
-        full = next((g for g in tw["step_breakdown"] if g["group"] == "decode 193+ rows"), None)
-        lines.append(f"plain twin (the same prompts and output lengths, no constraint): {tw['elapsed_s']:.2f} s, "
-                     f"{tw['output_tokens_per_s']:,.0f} output tok/s; constrained = {100 * tw['constrained_share']:.1f}% of it"
-                     + (f"; its decode 193+ step {full['mean_step_ms']:.2f} ms" if full is not None else "")
-                     + (f"; graph sizes captured during it {tw['graphs_captured_during_run']}"
-                        if tw["graphs_captured_during_run"] else ""))
-        again = tw.get("constrained_again")
-        if again:
-            lines.append(f"constrained again, after the twin on the same engine: {again['elapsed_s']:.2f} s, "
-                         f"{again['output_tokens_per_s']:,.0f} output tok/s = {100 * again['share']:.1f}% of the twin"
-                         f"; graph sizes captured during it {again['graphs_captured_during_run']}")
-    gm = r.get("grammar_masks")
-    if gm:
-        total = gm["computed"] + gm["copied"] + gm["cached"]
-        lines.append(f"grammar masks: {total:,} rows: computed {gm['computed']:,} ({100 * gm['computed'] / total:.1f}%), "
-                     f"copied within a step {gm['copied']:,}, from the cache {gm['cached']:,}; fills ran {gm['fill_s']:.2f} s; "
-                     f"cache holds {gm.get('kept', 0):,} masks ({gm.get('evicted', 0):,} evicted)")
-    if r.get("data_parallel", 1) > 1:
-        lines.append(
-            f"data parallel: {r['data_parallel']} engines, aggregate {r['output_tokens_per_s']:,.0f} output tok/s; "
-            f"floor x {r['data_parallel']} = {r['floor_x_n_output_tokens_per_s']:,.0f} output tok/s; per engine: "
-            + ", ".join(f"{e['output_tokens_per_s']:,.0f}" for e in r["per_engine"])
-        )
-    return "\n".join(lines)
 
 
-def write_report(r: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(r, indent=2, default=str))
 
 
 # ---- data parallel: one engine process per GPU ---------------------------------------------------

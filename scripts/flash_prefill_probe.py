@@ -7,16 +7,19 @@ launch setting of our Triton kernel gains more than 9% (BENCHMARKS.md, extend ke
 shapes). FlashAttention-2 reads contiguous K/V; our cache is paged in 16-token blocks (its paged mode
 wants pages of 256), so the probe also times the gather of each prefilling sequence's K/V from the cache
 into contiguous buffers, which a step would pay once per layer. If flash + gather is not clearly
-faster than our kernel, integrating it is not worth its weight.
+faster than our kernel, integrating it is not worth its weight. A third path: scaled_dot_product_attention
+on its cuDNN backend (cuDNN 9's Hopper kernels), one call per sequence over the gathered K/V with a
+lower-right causal mask.
 
 For each (shape, workload) of scripts/extend_shape_sweep.py (prefill: 3 x 2,600 new tokens after 200
 cached; chunks: 8 x 512 after 1,000): the max abs error of each path against kernels.reference, then
 the median of 10 CUDA-graph replays of: ours (default launch), the gather alone, flash alone, gather +
-flash; TF/s of the causal FLOPs. A path that fails (an op missing from this torch, a capture error) is
-reported and left out.
+flash, cuDNN (sdpa); TF/s of the causal FLOPs. A path that fails (an op missing from this torch, a capture
+error) is reported and left out.
 
 Usage (device tool): python3 scripts/flash_prefill_probe.py [--shapes a,b] [--workloads prefill,chunks]
-CPU check of the gather and the cumulative lengths (a PyTorch varlen reference stands in for flash):
+CPU check of the gather, the cumulative lengths and the masks (a PyTorch varlen reference stands in for
+flash, SDPA's math backend for cuDNN):
     python3 scripts/flash_prefill_probe.py --cpu-smoke
 """
 
@@ -70,8 +73,35 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
     return out
 
 
-def paths(batch: sweep.Batch, work: sweep.Workload, flash: Callable) -> dict[str, Callable[[], object]]:
-    """The four timed calls over one batch (buffers allocated here, so the calls are graph capturable)."""
+def sdpa_per_sequence(batch: sweep.Batch, work: sweep.Workload, k: torch.Tensor, v: torch.Tensor,
+                      backend: object) -> Callable[[], torch.Tensor]:
+    """scaled_dot_product_attention on one of its backends (cuDNN on the GPU), one call per sequence over
+    its gathered K/V, causal from the bottom right as a boolean mask (the cuDNN backend takes a mask,
+    not torch's lower-right causal bias), GQA by enable_gqa; the outputs written back into one buffer."""
+    from torch.nn.attention import sdpa_kernel
+
+    dev = batch.q.device
+    q_starts = np.concatenate([[0], np.cumsum(work.q_lens)]).tolist()
+    k_starts = np.concatenate([[0], np.cumsum(work.seq_lens)]).tolist()
+    masks = [torch.ones(n, c + n, dtype=torch.bool, device=dev).tril(diagonal=c)
+             for c, n in zip(work.ctx_before, work.q_lens)]
+    out = torch.empty_like(batch.q)
+
+    def call() -> torch.Tensor:
+        with sdpa_kernel([backend]):
+            for b, mask in enumerate(masks):
+                qs, qe, ks, ke = q_starts[b], q_starts[b + 1], k_starts[b], k_starts[b + 1]
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    batch.q[qs:qe].transpose(0, 1).unsqueeze(0), k[ks:ke].transpose(0, 1).unsqueeze(0),
+                    v[ks:ke].transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=batch.scale, enable_gqa=True)
+                out[qs:qe] = o[0].transpose(0, 1)
+        return out
+
+    return call
+
+
+def paths(batch: sweep.Batch, work: sweep.Workload, flash: Callable, sdpa_backend: object) -> dict[str, Callable[[], object]]:
+    """The timed calls over one batch (buffers allocated here, so the calls are graph capturable)."""
     index = gather_index(batch, work)
     kv_heads, dim = batch.k_cache.shape[2], batch.k_cache.shape[3]
     k_flat, v_flat = batch.k_cache.view(-1, kv_heads, dim), batch.v_cache.view(-1, kv_heads, dim)
@@ -93,7 +123,7 @@ def paths(batch: sweep.Batch, work: sweep.Workload, flash: Callable) -> dict[str
 
     gather()
     return {"ours": sweep.kernel_call(batch, work, sweep.DEFAULT_CONFIG), "gather": gather, "flash": attend,
-            "gather+flash": both}
+            "gather+flash": both, "sdpa": sdpa_per_sequence(batch, work, k, v, sdpa_backend)}
 
 
 def aten_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
@@ -102,7 +132,8 @@ def aten_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
 
 
 def probe(shapes: list[tuple[str, int, int, int]], works: list[sweep.Workload], dtype: torch.dtype, device: str,
-          timer: Callable[[Callable[[], object]], float], flash: Callable, tolerance: float) -> list[dict]:
+          timer: Callable[[Callable[[], object]], float], flash: Callable, sdpa_backend: object,
+          tolerance: float) -> list[dict]:
     from batchinfer.kernels import reference
 
     rows = []
@@ -113,35 +144,40 @@ def probe(shapes: list[tuple[str, int, int, int]], works: list[sweep.Workload], 
                                                  batch.seq_lens, batch.query_start_loc, batch.scale)
             flops = sweep.causal_flops(work, heads, dim)
             row: dict = {"shape": name, "workload": work.name, "ms": {}, "err": {}}
-            for label, call in paths(batch, work, flash).items():
+            for label, call in paths(batch, work, flash, sdpa_backend).items():
                 try:
                     out = call()
-                    if label in ("ours", "flash"):
+                    if label in ("ours", "flash", "sdpa"):
                         row["err"][label] = sweep.max_diff(out, expected)
                     row["ms"][label] = timer(call)
                 except Exception as exc:  # noqa: BLE001 (an op this torch lacks, a launch that cannot be captured)
                     row["ms"][label] = None
-                    row["error"] = f"{label}: {type(exc).__name__}: {str(exc)[:120]}"
+                    row.setdefault("errors", []).append(f"{label}: {type(exc).__name__}: {str(exc)[:120]}")
             bad = [k for k, e in row["err"].items() if not e < tolerance]
             times = "  ".join(f"{k} {m:.3f} ms" + (f" ({flops / m / 1e9:.0f} TF/s)" if k != "gather" else "")
                               for k, m in row["ms"].items() if m is not None)
             print(f"{name} {heads}/{kv_heads}/{dim} {work.name}: {times}"
-                  + (f"  BAD {bad}" if bad else "") + (f"  [{row['error']}]" if "error" in row else ""))
+                  + (f"  BAD {bad}" if bad else "") + "".join(f"  [{e}]" for e in row.get("errors", [])))
             rows.append(row)
             del batch, expected
     return rows
 
 
 def print_summary(rows: list[dict]) -> None:
-    print(f"\n{'shape':<14}{'workload':<9}{'ours ms':>9}{'flash ms':>10}{'gather ms':>11}{'ours/(gather+flash)':>21}  err ours / flash")
+    print(f"\n{'shape':<14}{'workload':<9}{'ours ms':>9}{'flash ms':>10}{'gather ms':>11}{'sdpa ms':>9}"
+          f"{'ours/(gather+flash)':>21}{'ours/(gather+sdpa)':>20}  err ours / flash / sdpa")
     for r in rows:
         ms = r["ms"]
-        ratio = (f"x{ms['ours'] / ms['gather+flash']:.2f}"
-                 if ms.get("ours") and ms.get("gather+flash") else "-")
-        fmt = lambda x: f"{x:.3f}" if x else "-"
-        errs = " / ".join(f"{r['err'][k]:.1e}" if k in r["err"] else "-" for k in ("ours", "flash"))
+
+        def ratio(path: str, ms: dict = ms) -> str:
+            return f"x{ms['ours'] / (ms['gather'] + ms[path]):.2f}" if ms.get("ours") and ms.get("gather") and ms.get(path) else "-"
+
+        def fmt(x: float | None) -> str:
+            return f"{x:.3f}" if x else "-"
+
+        errs = " / ".join(f"{r['err'][k]:.1e}" if k in r["err"] else "-" for k in ("ours", "flash", "sdpa"))
         print(f"{r['shape']:<14}{r['workload']:<9}{fmt(ms.get('ours')):>9}{fmt(ms.get('flash')):>10}"
-              f"{fmt(ms.get('gather')):>11}{ratio:>21}  {errs}")
+              f"{fmt(ms.get('gather')):>11}{fmt(ms.get('sdpa')):>9}{ratio('flash'):>21}{ratio('sdpa'):>20}  {errs}")
 
 
 def cpu_smoke() -> None:
@@ -150,11 +186,13 @@ def cpu_smoke() -> None:
     from batchinfer.kernels.interpreter import triton_is_interpreted
 
     assert triton_is_interpreted(), "Triton was imported before TRITON_INTERPRET=1 was set"
+    from torch.nn.attention import SDPBackend
+
     rows = probe([("smoke-g2", 4, 2, 64)], sweep.smoke_workloads(), torch.float32, "cpu", sweep.plain_time,
-                 varlen_reference, sweep.SMOKE_TOLERANCE)
+                 varlen_reference, SDPBackend.MATH, sweep.SMOKE_TOLERANCE)
     print_summary(rows)
     for r in rows:
-        assert "error" not in r and all(e < sweep.SMOKE_TOLERANCE for e in r["err"].values()), r
+        assert "errors" not in r and len(r["err"]) == 3 and all(e < sweep.SMOKE_TOLERANCE for e in r["err"].values()), r
     print("cpu smoke ok")
 
 
@@ -175,8 +213,10 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     works = [sweep.make_workload(n, rng) for n in args.workloads.split(",") if n]
+    from torch.nn.attention import SDPBackend
+
     rows = probe(sweep.select_shapes(args.shapes), works, torch.bfloat16, "cuda", lambda fn: graph_ms(fn, args.reps),
-                 aten_flash, sweep.GPU_TOLERANCE)
+                 aten_flash, SDPBackend.CUDNN_ATTENTION, sweep.GPU_TOLERANCE)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; ms = median of {args.reps} graph replays")
     print_summary(rows)
 

@@ -32,14 +32,14 @@ import json
 import math
 from typing import Any
 
-from batchinfer.structured.base import Constraint
+from batchinfer.structured.base import Constraint, GrammarError
 
 INT_LIMIT = 10**18 - 1
 NUM_INT_LIMIT = 10**17 - 1
 DEC_LIMIT = 10**11
 FRACTION_DIGITS = 6
 ANY = "__batchinfer_bounded_any"
-BOUNDS_VERSION = "bounds-3"  # part of the grammar disk cache key: change it when the rewrite changes
+BOUNDS_VERSION = "bounds-4"  # part of the grammar disk cache key: change it when the rewrite changes
 # RFC 3339 full-date with the Gregorian calendar's month lengths and leap years (capturing groups only:
 # every backend's regex dialect has them)
 _YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
@@ -104,6 +104,7 @@ def _band(node: dict[str, Any], kind: str, limit: float, multiple: Any = None) -
             out["exclusiveMaximum"] = True
     else:
         out["maximum"] = limit
+    exact = _int_range(out) if kind == "integer" else None
     if kind == "integer":
         for key, up in (("minimum", True), ("exclusiveMinimum", True), ("maximum", False), ("exclusiveMaximum", False)):
             if key in out:
@@ -111,10 +112,35 @@ def _band(node: dict[str, Any], kind: str, limit: float, multiple: Any = None) -
     low = out.get("minimum", out.get("exclusiveMinimum"))
     high = out.get("maximum", out.get("exclusiveMaximum"))
     if _num(low) and _num(high) and (low > high or (low == high and ("exclusiveMinimum" in out or "exclusiveMaximum" in out))):
+        if exact is not None and exact[0] <= exact[1]:
+            # integers there, but no float64 between them: every bound reads as one float (minimum
+            # 999999999999999873 with our 10^18 - 1 both read as 10^18), and given as it is, the
+            # schema would let a backend write digits without end
+            raise GrammarError(
+                f"integers from {exact[0]} to {exact[1]} (the schema's range within the output column's "
+                f"bound {int(limit)}) cannot be bounded: no number a float64 holds lies inside them, and the "
+                "grammar backends read ranges as float64; widen the range or bound it where float64 is exact")
         return None
     if multiple is not None:
         out["multipleOf"] = multiple
     return out
+
+
+def _int_range(band: dict[str, Any]) -> tuple[int, int] | None:
+    """The integers [lo, hi] an integer band allows (its bounds before they are moved to float64s)."""
+    lo, hi = band.get("minimum"), band.get("maximum")
+    if _num(band.get("exclusiveMinimum")):
+        lo = math.floor(band["exclusiveMinimum"]) + 1
+    if _num(band.get("exclusiveMaximum")):
+        hi = math.ceil(band["exclusiveMaximum"]) - 1
+    if not (_num(lo) and _num(hi)):
+        return None
+    lo, hi = math.ceil(lo), math.floor(hi)
+    if band.get("exclusiveMinimum") is True:  # draft 4: a boolean beside the bound
+        lo += 1
+    if band.get("exclusiveMaximum") is True:
+        hi -= 1
+    return lo, hi
 
 
 class _Rewriter:
